@@ -1,0 +1,63 @@
+"""Suite-wide rules: GPU tests skip without CUDA, and each marker has a time budget that the run enforces."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+
+import pytest
+
+# Seconds of test time per marker for one CPU run (2 cores). "unmarked" is everything else. CI's whole limit is
+# ~25 minutes; these budgets keep each part honest and make a slow new test fail loudly instead of creeping.
+BUDGETS = {"unmarked": 240.0, "slow": 600.0, "browser": 240.0, "gpu": 900.0}
+
+_spent: collections.Counter[str] = collections.Counter()
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (runs on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def _budget_key(item) -> str:
+    for name in ("gpu", "browser", "slow"):
+        if name in item.keywords:
+            return name
+    return "unmarked"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    _spent[_budget_key(item)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = [f"{name}: {_spent[name]:.1f}s of {limit:.0f}s" for name, limit in BUDGETS.items() if _spent[name]]
+    if lines:
+        terminalreporter.write_sep("-", "time budgets per marker")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    over = {name: spent for name, spent in _spent.items() if spent > BUDGETS[name]}
+    if over and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            for name, spent in over.items():
+                reporter.write_line(f"TIME BUDGET EXCEEDED: {name} tests took {spent:.1f}s > {BUDGETS[name]:.0f}s")

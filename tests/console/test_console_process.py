@@ -1,0 +1,45 @@
+"""`python -m app` comes up as a real process on a real SQLite directory and answers its health probes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_console_starts_and_answers_health(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "FLASHGATE_DATA_DIR": str(tmp_path / "data"), "FLASHGATE_PORT": str(port)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"console exited early:\n{proc.stdout.read()}"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "console did not answer /healthz within 60 s"
+                time.sleep(0.2)
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+        assert (tmp_path / "data").is_dir()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
