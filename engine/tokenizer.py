@@ -1,0 +1,103 @@
+"""The runtime tokenizer: a model directory's `tokenizer.json`, read with the `tokenizers` library."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Special-token strings inside the text encode to their single ids."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, source: str = "<memory>") -> None:
+        self._tok = tokenizer
+        ids = {token: tokenizer.token_to_id(token) for token in (BOS_TOKEN, EOS_TOKEN)}
+        missing = [token for token, id_ in ids.items() if id_ is None]
+        if missing:
+            raise ValueError(f"{source}: the vocabulary has no {', '.join(missing)}")
+        self._bos_id: int = ids[BOS_TOKEN]
+        self._eos_id: int = ids[EOS_TOKEN]
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+        model_dir = Path(path)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_dir}")
+        file = model_dir / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in the model directory: {file}")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises a bare Exception for every parse error
+            raise ValueError(f"cannot read {file}: {exc}") from exc
+        return cls(tokenizer, source=str(file))
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included (a checkpoint may pad its embedding beyond this)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self._bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Streams text as token ids arrive. `step` returns only newly completed text and holds back a character whose
+    UTF-8 bytes are still incomplete; the concatenation of every `step` and the final `flush` equals `decode(ids)`.
+    Stop strings are checked by the caller on the accumulated deltas."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        # Ids since the last clean character boundary, and how much of their text was already returned.
+        self._pending: list[int] = []
+        self._emitted = 0
+
+    def step(self, token_id: int) -> str:
+        self._pending.append(token_id)
+        text = self._tokenizer.decode(self._pending, self._skip)
+        if text.endswith(_REPLACEMENT):
+            # Byte-level decoding turns a partial UTF-8 sequence into one trailing U+FFFD that later bytes may
+            # complete; everything before it is final. A run of such tokens is re-decoded as a whole, which stays
+            # short because a character is at most 4 bytes (only garbage output keeps ending mid-character).
+            stable = text[:-1]
+            delta = stable[self._emitted :]
+            self._emitted = len(stable)
+            return delta
+        # Decoding is a byte concatenation, so text that ends on a whole character is a clean cut: start afresh.
+        delta = text[self._emitted :]
+        self._pending.clear()
+        self._emitted = 0
+        return delta
+
+    def flush(self) -> str:
+        """The held-back remainder (a truncated character decodes to U+FFFD, as in `decode`)."""
+        delta = self._tokenizer.decode(self._pending, self._skip)[self._emitted :]
+        self._pending.clear()
+        self._emitted = 0
+        return delta

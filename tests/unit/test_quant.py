@@ -1,0 +1,55 @@
+"""The FP8 / FP4 formats of the official checkpoint, against values worked out by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.quant import (
+    dequantize_fp4_weight,
+    dequantize_fp8_weight,
+    fp4_simulate,
+    fp8_simulate,
+    hadamard_rotate,
+    quantize_fp4_weight,
+    quantize_fp8_weight,
+)
+
+
+def test_fp4_packing_low_nibble_is_the_even_element_and_bit3_the_sign():
+    w = torch.tensor([[0.5, -6.0] + [0.0] * 30])  # block max 6 -> scale 1
+    packed, scale = quantize_fp4_weight(w)
+    assert packed.view(torch.uint8)[0, 0].item() == (0x1 | (0xF << 4))  # 0.5 = code 1; -6 = sign | code 7
+    assert scale.view(torch.uint8)[0, 0].item() == 127  # 2^0
+    assert torch.equal(dequantize_fp4_weight(packed, scale), w)
+
+
+def test_fp4_rounds_to_nearest_with_ties_to_even_codes():
+    x = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] + [0.0] * 24])  # midpoints, scale 1
+    # Ties go to the even code: 0.25->0 (code 0), 0.75->1.0 (2), 1.25->1.0 (2), 1.75->2 (4), 2.5->2 (4),
+    # 3.5->4 (6), 5->4 (6).
+    expected = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0])
+    assert torch.equal(fp4_simulate(x)[0, :8], expected)
+
+
+def test_fp8_simulation_uses_a_power_of_two_scale_per_block():
+    x = torch.tensor([[1.0, 300.0, -0.1, 3.0] + [0.0] * 60, [1000.0] + [0.0] * 63])
+    y = fp8_simulate(x, 64)
+    # Block 0 max 300 -> scale 1 (300/448 <= 1): values rounded on e4m3's own grid.
+    assert y[0, 0].item() == 1.0 and y[0, 1].item() == 288.0 and y[0, 3].item() == 3.0
+    # Block 1 max 1000 -> scale 4: 1000/4 = 250 -> e4m3 256 -> 1024.
+    assert y[1, 0].item() == 1024.0
+
+
+def test_fp8_weight_blocks_are_128x128_with_partial_edges():
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_fp8_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu and scale.shape == (3, 2)
+    restored = dequantize_fp8_weight(q, scale)
+    assert ((restored - w).abs() <= w.abs() / 16 + 1e-3).all()
+
+
+def test_hadamard_is_orthonormal_and_self_inverse():
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    y = hadamard_rotate(x)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-4)
+    assert torch.allclose(hadamard_rotate(y), x, atol=1e-5)
