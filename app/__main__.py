@@ -12,7 +12,8 @@ from app.settings import load_settings
 def main() -> None:
     settings = load_settings()
     configure_logging(json=settings.log_json)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
+    # No uvicorn access log: the console logs each request itself, with its request id (app/logging.py).
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=False)
 
 
 if __name__ == "__main__":

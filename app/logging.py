@@ -1,11 +1,22 @@
-"""Structured logs for the console: a readable renderer on a terminal, JSON lines otherwise (containers, CI)."""
+"""Structured logs for the console: a readable renderer on a terminal, JSON lines otherwise (containers, CI), and a
+request id on every line a request causes."""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import time
+import uuid
 
 import structlog
+from litestar.datastructures import Headers, MutableScopeHeaders
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_access_log = structlog.get_logger("app.access")
 
 
 def configure_logging(json: bool | None = None, level: int = logging.INFO) -> None:
@@ -14,6 +25,7 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
     renderer = structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer()
     shared = [
         structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -32,3 +44,37 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class RequestLogMiddleware(ASGIMiddleware):
+    """Give each request an id (the caller's `X-Request-ID` when it is sane), bind it to every log line and audit
+    row of the request, return it as `X-Request-ID`, and log one line per request."""
+
+    scopes = (ScopeType.HTTP,)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        incoming = Headers.from_scope(scope).get("x-request-id", "")
+        request_id = incoming if REQUEST_ID_RE.fullmatch(incoming) else uuid.uuid4().hex
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableScopeHeaders.from_message(message)["x-request-id"] = request_id
+            await send(message)
+
+        try:
+            await next_app(scope, receive, send_with_id)
+        finally:
+            _access_log.info(
+                "request",
+                method=scope["method"],
+                path=scope["path"],
+                status=status,
+                duration_ms=round((time.perf_counter() - started) * 1000, 1),
+            )
+            structlog.contextvars.clear_contextvars()

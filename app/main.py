@@ -1,35 +1,121 @@
-"""The console's Litestar application."""
+"""The console's Litestar application: the database, the REST API under /api, and the server-rendered pages."""
 
 from __future__ import annotations
 
-import sqlite3
+from pathlib import Path
 
 import structlog
 from litestar import Litestar, get
-from litestar.exceptions import ServiceUnavailableException
+from litestar.config.csrf import CSRFConfig
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ServiceUnavailableException
+from litestar.openapi.config import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
+from litestar.plugins.htmx import HTMXPlugin
+from litestar.plugins.jinja import JinjaTemplateEngine
+from litestar.static_files import create_static_files_router
+from litestar.template.config import TemplateConfig
+from litestar.types import Scope
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlmodel import Session
 
+from app.audit.controller import AuditController
+from app.audit.pages import AuditPages
+from app.auth.controller import OperatorController
+from app.auth.middleware import API_PREFIX, AuthenticationMiddleware
+from app.auth.pages import SignInController
+from app.auth.service import CSRF_SECRET, appliance_secret, bootstrap_admin
+from app.console import console_router
+from app.db import create_db_engine, migrate, session_provider
+from app.logging import RequestLogMiddleware
+from app.profiles.controller import ProfileController
+from app.profiles.pages import ProfilePages
+from app.profiles.service import ProfileService
+from app.promotion.controller import RouteController
 from app.settings import Settings, load_settings
 
 log = structlog.get_logger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES_DIR = ROOT / "console" / "templates"
+STATIC_DIR = ROOT / "console" / "static"
+SEED_DIR = ROOT / "profiles"
+
+
+def prepare_database(settings: Settings) -> tuple[Engine, str]:
+    """Migrate, seed the profiles, make sure an admin can exist; returns the engine and the CSRF secret."""
+    engine = create_db_engine(settings.database_path)
+    migrate(engine)
+    with Session(engine) as session:
+        ProfileService(session, settings.models_dir).seed(SEED_DIR)
+        setup_token = bootstrap_admin(session, settings.admin_token)
+        csrf_secret = appliance_secret(session, CSRF_SECRET)
+    if setup_token is not None:
+        # Printed this once only: it is stored hashed, and exchanged for the admin account at /setup.
+        log.warning("setup_token", token=setup_token, exchange_at="/setup or POST /api/setup")
+    return engine, csrf_secret
+
+
+def log_unexpected_error(exc: Exception, scope: Scope) -> None:
+    """HTTP errors are answers; anything else is a bug, logged with its traceback and the request id."""
+    if not isinstance(exc, HTTPException):
+        log.error("unhandled_exception", path=scope.get("path"), exc_info=exc)
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or load_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine, csrf_secret = prepare_database(settings)
 
-    @get("/healthz", sync_to_thread=False)
+    @get("/healthz", sync_to_thread=False, include_in_schema=False)
     def healthz() -> dict[str, str]:
         """The process is up."""
         return {"status": "ok"}
 
-    @get("/readyz", sync_to_thread=False)
+    @get("/readyz", sync_to_thread=True, include_in_schema=False)
     def readyz() -> dict[str, str]:
-        """The database answers."""
+        """The database answers, through the same engine every request uses."""
         try:
-            with sqlite3.connect(settings.database_path, timeout=2) as conn:
-                conn.execute("select 1")
-        except sqlite3.Error as exc:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT max(version) FROM schema_version")).scalar_one()
+        except SQLAlchemyError as exc:
             raise ServiceUnavailableException(detail=f"database unreachable: {exc}") from exc
         return {"status": "ready"}
 
-    return Litestar(route_handlers=[healthz, readyz])
+    return Litestar(
+        route_handlers=[
+            healthz,
+            readyz,
+            OperatorController,
+            ProfileController,
+            AuditController,
+            RouteController,
+            console_router([SignInController, ProfilePages, AuditPages]),
+            create_static_files_router(path="/static", directories=[STATIC_DIR], include_in_schema=False),
+        ],
+        dependencies={"db_session": Provide(session_provider(engine))},
+        middleware=[RequestLogMiddleware(), AuthenticationMiddleware(engine)],
+        # The API authenticates by bearer token only (never the cookie), so cross-site forms cannot ride on it;
+        # probes, the schema and static files take no form.
+        csrf_config=CSRFConfig(
+            secret=csrf_secret,
+            exclude=[f"^{API_PREFIX}", "^/(healthz|readyz|schema|static)(/|$)"],
+            cookie_httponly=True,
+        ),
+        template_config=TemplateConfig(directory=TEMPLATES_DIR, engine=JinjaTemplateEngine),
+        plugins=[HTMXPlugin()],
+        openapi_config=OpenAPIConfig(
+            title="Flashgate console",
+            version="1",
+            path="/schema",
+            components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
+            security=[{"bearer": []}],
+        ),
+        state=State({"settings": settings}),
+        on_shutdown=[engine.dispose],
+        # Our structlog setup (app/logging.py) handles every log line; Litestar's own config would replace it.
+        logging_config=None,
+        after_exception=[log_unexpected_error],
+    )

@@ -1,0 +1,44 @@
+"""`/api/audit`: the audit trail, newest first."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from litestar import Controller, get
+from litestar.di import NamedDependency
+from litestar.params import FromQuery, QueryParameter
+from sqlmodel import Session
+
+from app.audit import service
+from app.audit.schemas import AuditRead
+from app.auth.guards import requires_viewer
+
+
+class AuditController(Controller):
+    path = "/api/audit"
+    tags = ["audit"]
+    guards = [requires_viewer]
+
+    @get("/", operation_id="listAudit", sync_to_thread=True)
+    def list_audit(
+        self,
+        db_session: NamedDependency[Session],
+        limit: Annotated[int, QueryParameter(ge=1, le=1000)] = 100,
+        target: FromQuery[str | None] = None,
+        action: FromQuery[str | None] = None,
+    ) -> list[AuditRead]:
+        """Who changed what and when, with the state before and after; filter by `target` (`profile:<name>`,
+        `operator:<name>`, `token:<id>`) or `action`."""
+        return [
+            AuditRead(
+                id=row.id,
+                at=row.at,
+                actor=row.actor,
+                action=row.action,
+                target=row.target,
+                before=row.before,
+                after=row.after,
+                request_id=row.request_id,
+            )
+            for row in service.recent(db_session, limit, target, action)
+        ]

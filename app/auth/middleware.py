@@ -1,0 +1,44 @@
+"""Who is calling: `/api` reads a bearer token, console pages read the session cookie. A cookie never
+authenticates an API call, which is why `/api` can be exempt from CSRF checks."""
+
+from __future__ import annotations
+
+import anyio.to_thread
+import structlog
+from litestar.connection import ASGIConnection
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from litestar.types import ASGIApp, Receive, Scope, Send
+from sqlalchemy import Engine
+
+from app.auth.models import TokenKind
+from app.auth.service import Principal, authenticate
+
+SESSION_COOKIE = "flashgate_session"
+API_PREFIX = "/api/"
+
+
+def _credentials(scope: Scope) -> tuple[str, TokenKind] | None:
+    connection = ASGIConnection(scope)
+    if scope["path"].startswith(API_PREFIX):
+        scheme, _, secret = connection.headers.get("authorization", "").partition(" ")
+        return (secret.strip(), TokenKind.api) if scheme.lower() == "bearer" and secret.strip() else None
+    secret = connection.cookies.get(SESSION_COOKIE)
+    return (secret, TokenKind.session) if secret else None
+
+
+class AuthenticationMiddleware(ASGIMiddleware):
+    scopes = (ScopeType.HTTP,)
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        principal: Principal | None = None
+        if (credentials := _credentials(scope)) is not None:
+            principal = await anyio.to_thread.run_sync(authenticate, self.engine, *credentials)
+        scope["user"] = principal
+        scope["auth"] = credentials[1] if principal and credentials else None
+        if principal is not None:
+            structlog.contextvars.bind_contextvars(operator=principal.name)
+        await next_app(scope, receive, send)

@@ -1,0 +1,177 @@
+"""The console's one SQLite file: the engine, forward-only schema migrations, and a session per request.
+
+Migrations are frozen SQL, not `metadata.create_all()`: the models describe the newest schema, and an old database
+must reach it step by step with its rows intact. `tests/console/test_db.py` checks that the models and the migrated
+schema agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import structlog
+from sqlalchemy import Connection, DateTime, Engine, TypeDecorator, create_engine, event
+from sqlmodel import Session
+
+log = structlog.get_logger(__name__)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """SQLite keeps no time zone: store UTC, and read it back as an aware datetime."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        return None if value is None else value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    statements: Sequence[str]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "operators, tokens, profiles, evidence, audit",
+        (
+            """CREATE TABLE secret (
+                name TEXT PRIMARY KEY,
+                value TEXT NOT NULL,
+                created_at TIMESTAMP NOT NULL)""",
+            """CREATE TABLE operator (
+                id INTEGER PRIMARY KEY,
+                name TEXT NOT NULL UNIQUE,
+                role TEXT NOT NULL CHECK (role IN ('viewer', 'operator', 'admin')),
+                created_at TIMESTAMP NOT NULL,
+                created_by TEXT NOT NULL)""",
+            """CREATE TABLE token (
+                id INTEGER PRIMARY KEY,
+                operator_id INTEGER NOT NULL REFERENCES operator (id),
+                name TEXT NOT NULL,
+                kind TEXT NOT NULL CHECK (kind IN ('api', 'session')),
+                token_sha256 TEXT NOT NULL UNIQUE,
+                created_at TIMESTAMP NOT NULL,
+                expires_at TIMESTAMP,
+                revoked_at TIMESTAMP)""",
+            "CREATE INDEX ix_token_operator_id ON token (operator_id)",
+            """CREATE TABLE profile (
+                id INTEGER PRIMARY KEY,
+                name TEXT NOT NULL UNIQUE,
+                parent_id INTEGER REFERENCES profile (id),
+                rationale TEXT NOT NULL,
+                model TEXT NOT NULL,
+                revision TEXT,
+                dtype TEXT NOT NULL,
+                context_length INTEGER NOT NULL,
+                max_num_batched_tokens INTEGER NOT NULL,
+                max_num_seqs INTEGER NOT NULL,
+                gpu_memory_utilization FLOAT NOT NULL,
+                kv_cache_dtype TEXT NOT NULL,
+                cuda_graph_max_bs INTEGER NOT NULL,
+                tensor_parallel_size INTEGER NOT NULL,
+                max_output_tokens INTEGER NOT NULL,
+                engine_extras JSON NOT NULL,
+                content_hash TEXT NOT NULL,
+                created_at TIMESTAMP NOT NULL,
+                created_by TEXT NOT NULL,
+                retired BOOLEAN NOT NULL,
+                retired_at TIMESTAMP,
+                retired_by TEXT)""",
+            "CREATE INDEX ix_profile_parent_id ON profile (parent_id)",
+            """CREATE TABLE evidence (
+                id INTEGER PRIMARY KEY,
+                profile_id INTEGER NOT NULL REFERENCES profile (id),
+                gate TEXT NOT NULL,
+                created_at TIMESTAMP NOT NULL,
+                payload JSON NOT NULL)""",
+            "CREATE INDEX ix_evidence_profile_id ON evidence (profile_id)",
+            """CREATE TABLE audit (
+                id INTEGER PRIMARY KEY,
+                at TIMESTAMP NOT NULL,
+                actor TEXT NOT NULL,
+                action TEXT NOT NULL,
+                target TEXT NOT NULL,
+                before JSON,
+                after JSON,
+                request_id TEXT)""",
+            "CREATE INDEX ix_audit_target ON audit (target)",
+        ),
+    ),
+)
+
+SCHEMA_VERSION_DDL = """CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER PRIMARY KEY,
+    name TEXT NOT NULL,
+    applied_at TIMESTAMP NOT NULL)"""
+
+
+def create_db_engine(path: Path) -> Engine:
+    """An engine whose connections use WAL, enforce foreign keys, and wrap DDL in real transactions."""
+    engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False, "timeout": 5})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:
+        # pysqlite otherwise opens transactions itself and commits before DDL; SQLAlchemy's "begin" hook does it.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=5000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN")
+
+    return engine
+
+
+def schema_version(engine: Engine) -> int:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(SCHEMA_VERSION_DDL)
+        return conn.exec_driver_sql("SELECT coalesce(max(version), 0) FROM schema_version").scalar_one()
+
+
+def migrate(engine: Engine, migrations: Sequence[Migration] = MIGRATIONS) -> int:
+    """Apply every migration newer than the database, each in its own transaction; return the version reached."""
+    current = schema_version(engine)
+    known = max((m.version for m in migrations), default=0)
+    if current > known:
+        raise RuntimeError(f"database schema version {current} is newer than this console knows ({known})")
+    for migration in sorted(migrations, key=lambda m: m.version):
+        if migration.version <= current:
+            continue
+        with engine.begin() as conn:
+            for statement in migration.statements:
+                conn.exec_driver_sql(statement)
+            conn.exec_driver_sql(
+                "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, ?)",
+                (migration.version, migration.name, utcnow().replace(tzinfo=None).isoformat(" ")),
+            )
+        log.info("schema_migrated", version=migration.version, name=migration.name)
+        current = migration.version
+    return current
+
+
+def session_provider(engine: Engine) -> Callable[[], Iterator[Session]]:
+    """A Litestar dependency: one session per request, closed (and rolled back if unfinished) afterwards."""
+
+    def provide_db_session() -> Iterator[Session]:
+        with Session(engine, expire_on_commit=False) as session:
+            yield session
+
+    return provide_db_session

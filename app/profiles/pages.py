@@ -1,0 +1,127 @@
+"""Console pages for profiles: the list, one profile with its diff against the parent, make a child, retire."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from litestar import Controller, Response, get, post
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath, URLEncodedBody
+from litestar.plugins.htmx import HTMXRequest
+from litestar.response import Redirect, Template
+from litestar.status_codes import HTTP_200_OK
+
+from app.auth.guards import requires_operator, requires_viewer
+from app.console import redirect
+from app.errors import FieldError, InvalidFields
+from app.profiles.controller import provide_profile_service
+from app.profiles.schemas import DTYPES, KV_CACHE_DTYPES, SETTINGS, ProfileChildCreate, ProfileRead
+from app.profiles.service import ProfileService
+
+INT_SETTINGS = {"context_length", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"}
+INT_SETTINGS |= {"tensor_parallel_size", "max_output_tokens"}
+
+
+def _form_values(profile: ProfileRead) -> dict[str, str]:
+    values = {f: "" if getattr(profile, f) is None else str(getattr(profile, f)) for f in SETTINGS}
+    values["engine_extras"] = json.dumps(profile.engine_extras, sort_keys=True)
+    return values
+
+
+def _parse(field: str, raw: str) -> Any:
+    """One form field to its setting's type; ValueError names the field and what it needs."""
+    if field in INT_SETTINGS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{field} must be a whole number, got {raw!r}") from None
+    if field == "gpu_memory_utilization":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{field} must be a number between 0 and 1, got {raw!r}") from None
+    if field == "engine_extras":
+        try:
+            value = json.loads(raw or "{}")
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f'engine_extras must be a JSON object such as {{"key": "value"}}, got {raw!r}')
+        return value
+    if field == "revision":
+        return raw or None
+    return raw
+
+
+def child_request(form: dict[str, str], parent: ProfileRead) -> ProfileChildCreate:
+    """The make-child form as the API's request: only the settings that differ from the parent are changes (a field
+    left out of the form keeps the parent's value). Unreadable values are refused before any rule is checked, as
+    the API refuses a wrongly typed body."""
+    changes, errors = {}, []
+    for field in (f for f in SETTINGS if f in form):
+        try:
+            value = _parse(field, form[field].strip())
+        except ValueError as exc:
+            errors.append(FieldError(field, str(exc)))
+            continue
+        if value != getattr(parent, field):
+            changes[field] = value
+    if errors:
+        raise InvalidFields(errors)
+    return ProfileChildCreate(name=form.get("name", "").strip(), rationale=form.get("rationale", ""), **changes)
+
+
+class ProfilePages(Controller):
+    guards = [requires_viewer]
+    dependencies = {"profiles": Provide(provide_profile_service, sync_to_thread=False)}
+
+    @get("/", sync_to_thread=False)
+    def home(self) -> Redirect:
+        return Redirect("/profiles")
+
+    @get("/profiles", sync_to_thread=True)
+    def list_page(self, profiles: NamedDependency[ProfileService]) -> Template:
+        return Template("profiles/list.html", context={"profiles": profiles.read_all()})
+
+    @get("/profiles/{name:str}", sync_to_thread=True)
+    def detail_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:
+        return Template("profiles/detail.html", context={"profile": profiles.read_one(name)})
+
+    @get("/profiles/{name:str}/child", guards=[requires_operator], sync_to_thread=True)
+    def child_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:
+        parent = profiles.read_one(name)
+        return Template("profiles/child.html", context=self._form_context(parent, _form_values(parent), []))
+
+    @post("/profiles/{name:str}/children", guards=[requires_operator], status_code=HTTP_200_OK, sync_to_thread=True)
+    def create_child(
+        self,
+        request: HTMXRequest,
+        profiles: NamedDependency[ProfileService],
+        name: FromPath[str],
+        data: URLEncodedBody[dict[str, str]],
+    ) -> Response:
+        parent = profiles.read_one(name)
+        try:
+            child = profiles.create_child(request.user.name, name, child_request(data, parent))
+        except InvalidFields as exc:
+            # Re-render with every error beside its input; htmx swaps just the form, a plain post gets the page.
+            context = self._form_context(parent, {**_form_values(parent), **data}, exc.errors)
+            template = "profiles/_child_form.html" if request.htmx else "profiles/child.html"
+            return Template(template, context=context, status_code=exc.status_code)
+        return redirect(request, f"/profiles/{child.name}")
+
+    @post("/profiles/{name:str}/retire", guards=[requires_operator], status_code=HTTP_200_OK, sync_to_thread=True)
+    def retire(self, request: HTMXRequest, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Response:
+        profiles.retire(request.user.name, name)
+        return redirect(request, f"/profiles/{name}")
+
+    @staticmethod
+    def _form_context(parent: ProfileRead, values: dict[str, str], errors: list[FieldError]) -> dict[str, Any]:
+        return {
+            "parent": parent,
+            "values": values,
+            "errors": {e.field: e.message for e in errors},
+            "settings": SETTINGS,
+            "choices": {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES},
+        }

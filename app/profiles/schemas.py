@@ -1,0 +1,253 @@
+"""Profile request and response shapes, and the rules a profile's settings must obey (pure, no database)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from datetime import datetime
+from pathlib import PurePosixPath
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from app.errors import FieldError
+
+# Mirrors engine/config.py; the planes share no code, and a profile is checked here before any engine starts.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+# The limit when the model directory has no config.json to read max_position_embeddings from (DeepSeek-V4's own).
+DEFAULT_MODEL_MAX_CONTEXT = 1_048_576
+NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+NAME_MAX = 63
+POSITIVE_INTS = (
+    "context_length",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "cuda_graph_max_bs",
+    "tensor_parallel_size",
+    "max_output_tokens",
+)
+
+
+class ProfileSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything a profile sets. All but `max_output_tokens` (the route's clamp) reach the engine."""
+
+    model: str
+    revision: str | None = None
+    dtype: str = "auto"
+    context_length: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    cuda_graph_max_bs: int
+    tensor_parallel_size: int = 1
+    max_output_tokens: int
+    engine_extras: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+SETTINGS: tuple[str, ...] = ProfileSettings.__struct_fields__
+ENGINE_SETTINGS: tuple[str, ...] = tuple(f for f in SETTINGS if f != "max_output_tokens")
+
+
+class ProfileCreate(ProfileSettings, kw_only=True, forbid_unknown_fields=True):
+    """A new root profile (no parent)."""
+
+    name: str
+    rationale: str = ""
+
+
+class ProfileChanges(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Settings to change; any left out keep their current (or the parent's) value."""
+
+    model: str | UnsetType = UNSET
+    revision: str | None | UnsetType = UNSET
+    dtype: str | UnsetType = UNSET
+    context_length: int | UnsetType = UNSET
+    max_num_batched_tokens: int | UnsetType = UNSET
+    max_num_seqs: int | UnsetType = UNSET
+    gpu_memory_utilization: float | UnsetType = UNSET
+    kv_cache_dtype: str | UnsetType = UNSET
+    cuda_graph_max_bs: int | UnsetType = UNSET
+    tensor_parallel_size: int | UnsetType = UNSET
+    max_output_tokens: int | UnsetType = UNSET
+    engine_extras: dict[str, Any] | UnsetType = UNSET
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in SETTINGS if getattr(self, f) is not UNSET}
+
+
+class ProfileChildCreate(ProfileChanges, kw_only=True, forbid_unknown_fields=True):
+    """A child: a copy of the parent with the given changes, and the reason for them."""
+
+    name: str
+    rationale: str
+
+
+class ProfileUpdate(ProfileChanges, kw_only=True, forbid_unknown_fields=True):
+    """An in-place change, allowed only while the profile has no evidence."""
+
+    rationale: str | UnsetType = UNSET
+
+
+class SettingChange(msgspec.Struct):
+    field: str
+    parent: Any
+    value: Any
+
+
+class ProfileState(msgspec.Struct):
+    weights_present: bool
+    model_max_context: int
+    tensor_parallel_available: bool
+    evidence_count: int
+    immutable: bool
+    retired: bool
+    # What stands between this profile and a running engine, in the operator's words ("weights missing", ...).
+    blockers: list[str]
+
+
+class ProfileRead(ProfileSettings, kw_only=True):
+    name: str
+    parent: str | None
+    children: list[str]
+    rationale: str
+    content_hash: str
+    created_at: datetime
+    created_by: str
+    retired_at: datetime | None
+    retired_by: str | None
+    state: ProfileState
+    diff: list[SettingChange]
+    warnings: list[str]
+
+
+def name_errors(name: str, field: str = "name") -> list[FieldError]:
+    if len(name) <= NAME_MAX and NAME_RE.fullmatch(name):
+        return []
+    return [
+        FieldError(
+            field,
+            f"{field} must be a lowercase slug of 1 to {NAME_MAX} characters (a-z, 0-9, single hyphens), got {name!r}",
+        )
+    ]
+
+
+def settings_errors(s: ProfileSettings) -> list[FieldError]:
+    """The rules a profile obeys on any host: each message names the field and the limit it broke."""
+    errors = [
+        FieldError(f, f"{f} must be a positive integer (at least 1), got {getattr(s, f)}")
+        for f in POSITIVE_INTS
+        if getattr(s, f) < 1
+    ]
+    if 1 <= s.max_num_batched_tokens < s.max_num_seqs:
+        errors.append(
+            FieldError(
+                "max_num_batched_tokens",
+                f"max_num_batched_tokens must be at least max_num_seqs ({s.max_num_seqs}), "
+                f"got {s.max_num_batched_tokens}",
+            )
+        )
+    if s.cuda_graph_max_bs > s.max_num_seqs >= 1:
+        errors.append(
+            FieldError(
+                "cuda_graph_max_bs",
+                f"cuda_graph_max_bs must be at most max_num_seqs ({s.max_num_seqs}), got {s.cuda_graph_max_bs}",
+            )
+        )
+    if s.max_output_tokens > s.context_length >= 1:
+        errors.append(
+            FieldError(
+                "max_output_tokens",
+                f"max_output_tokens must be at most context_length ({s.context_length}), got {s.max_output_tokens}",
+            )
+        )
+    if not 0.0 < s.gpu_memory_utilization < 1.0:
+        errors.append(
+            FieldError(
+                "gpu_memory_utilization",
+                f"gpu_memory_utilization must be greater than 0 and less than 1, got {s.gpu_memory_utilization}",
+            )
+        )
+    if s.dtype not in DTYPES:
+        errors.append(FieldError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {s.dtype!r}"))
+    if s.kv_cache_dtype not in KV_CACHE_DTYPES:
+        errors.append(
+            FieldError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {s.kv_cache_dtype!r}",
+            )
+        )
+    path = PurePosixPath(s.model)
+    if not s.model.strip() or path.is_absolute() or ".." in path.parts or "\\" in s.model:
+        errors.append(
+            FieldError(
+                "model",
+                f"model must be a relative path under FLASHGATE_MODELS_DIR (not empty, not absolute, no '..'), "
+                f"got {s.model!r}",
+            )
+        )
+    shadowed = sorted(set(s.engine_extras) & set(SETTINGS))
+    if shadowed:
+        errors.append(
+            FieldError(
+                "engine_extras",
+                f"engine_extras must not set profile fields ({', '.join(shadowed)}): set them as settings",
+            )
+        )
+    return errors
+
+
+def host_errors(s: ProfileSettings, model_max_context: int) -> list[FieldError]:
+    """The rules that depend on this host and its model files: refused for an operator's write, shown as a state
+    (a blocker) on a seeded profile, since the field's profiles are a record worth keeping even where they cannot
+    run yet."""
+    errors = []
+    if s.context_length > model_max_context:
+        errors.append(
+            FieldError(
+                "context_length",
+                f"context_length must be at most {model_max_context} (the model's maximum context), "
+                f"got {s.context_length}",
+            )
+        )
+    if s.tensor_parallel_size != 1:
+        errors.append(
+            FieldError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size must be 1 (tensor parallelism is not available yet), "
+                f"got {s.tensor_parallel_size}",
+            )
+        )
+    return errors
+
+
+def content_hash(s: ProfileSettings) -> str:
+    """sha256 over what the engine is started with: evidence is about exactly this content."""
+    payload = {f: getattr(s, f) for f in ENGINE_SETTINGS}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def settings_diff(parent: ProfileSettings, child: ProfileSettings) -> list[SettingChange]:
+    """What differs, one entry per setting; each engine extra counts as a setting of its own."""
+    changes = [
+        SettingChange(f, getattr(parent, f), getattr(child, f))
+        for f in SETTINGS
+        if f != "engine_extras" and getattr(parent, f) != getattr(child, f)
+    ]
+    for key in sorted(set(parent.engine_extras) | set(child.engine_extras)):
+        before, after = parent.engine_extras.get(key), child.engine_extras.get(key)
+        if before != after:
+            changes.append(SettingChange(f"engine_extras.{key}", before, after))
+    return changes
+
+
+def diff_warnings(diff: list[SettingChange]) -> list[str]:
+    if len(diff) <= 1:
+        return []
+    return [
+        f"{len(diff)} settings differ from the parent ({', '.join(c.field for c in diff)}): change one at a time, "
+        f"so the evidence says which change did what"
+    ]
