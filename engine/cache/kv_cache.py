@@ -1,0 +1,123 @@
+"""Storage of one layer's KV rows in pages, in the serving byte formats (reference §11.2), with the plain-torch
+codecs that write and read them.
+
+Main rows (window ring, c4 and c128 compressed rows), `rows_per_page` rows a page:
+- bfloat16: `[pages * rows_per_page, head_dim]`;
+- fp8_e4m3: `[pages, rows_per_page * 584]` bytes. A page holds its rows' data first (each 448 e4m3 nope channels,
+  then 64 bf16 RoPE channels = 576 B), then their scales (7 ue8m0 bytes, one per 64 nope channels, + 1 pad).
+Index keys (c4 layers), 64 rows a page:
+- bfloat16: `[pages * 64, index_head_dim]`;
+- fp8_e4m3: `[pages, 64 * (128 + 4)]` bytes, block-major: 64 x 128 e4m3 values, then 64 fp32 row scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.quant import FP8_MAX
+
+SCALE_BLOCK = 64
+SCALE_BYTES = 8  # 7 ue8m0 scales for 448 nope channels, padded
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / FP8_MAX)))
+
+
+class MainRows:
+    """One layer's main KV rows in pages."""
+
+    def __init__(self, num_pages: int, rows_per_page: int, head_dim: int, rope_dim: int, dtype: str, device):
+        self.rows_per_page, self.head_dim, self.rope_dim, self.fp8 = (
+            rows_per_page,
+            head_dim,
+            rope_dim,
+            dtype == "fp8_e4m3",
+        )
+        self.nope = head_dim - rope_dim
+        if self.fp8:
+            self.data_bytes = self.nope + 2 * rope_dim  # 576 for V4-Flash
+            self.row_bytes = self.data_bytes + SCALE_BYTES
+            assert self.nope // SCALE_BLOCK <= SCALE_BYTES
+            self.storage = torch.zeros(num_pages, rows_per_page * self.row_bytes, dtype=torch.uint8, device=device)
+        else:
+            self.storage = torch.zeros(num_pages * rows_per_page, head_dim, dtype=torch.bfloat16, device=device)
+
+    def _offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        page, row = slots // self.rows_per_page, slots % self.rows_per_page
+        return page, row * self.data_bytes, self.rows_per_page * self.data_bytes + row * SCALE_BYTES
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [N, head_dim] -> physical `slots` [N]."""
+        if not self.fp8:
+            self.storage[slots] = rows.to(torch.bfloat16)
+            return
+        nope = rows[:, : self.nope].float().unflatten(-1, (-1, SCALE_BLOCK))
+        scale = _pow2_scale(nope.abs().amax(-1, keepdim=True))
+        values = (nope / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(1).view(torch.uint8)
+        rope = rows[:, self.nope :].to(torch.bfloat16).contiguous().view(torch.uint8)
+        exponents = (torch.log2(scale.squeeze(-1)).round() + 127).to(torch.uint8)
+        page, data, scales = self._offsets(slots.long())
+        cols = torch.arange(self.data_bytes, device=rows.device)
+        self.storage[page[:, None], data[:, None] + cols] = torch.cat([values, rope], dim=1)
+        scale_cols = torch.arange(exponents.shape[1], device=rows.device)
+        self.storage[page[:, None], scales[:, None] + scale_cols] = exponents
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Physical `slots` [N] -> rows [N, head_dim] fp32 (dequantised)."""
+        return read_main_rows(self.storage, slots, self.rows_per_page, self.head_dim, self.rope_dim)
+
+
+def read_main_rows(storage: torch.Tensor, slots: torch.Tensor, rows_per_page: int, head_dim: int, rope_dim: int):
+    """Rows at physical `slots` of a `MainRows.storage` (bf16 rows, or fp8 pages when the storage is bytes), fp32."""
+    if storage.dtype != torch.uint8:
+        return storage[slots.long()].float()
+    nope, data_bytes = head_dim - rope_dim, head_dim - rope_dim + 2 * rope_dim
+    slots = slots.long()
+    page, row = slots // rows_per_page, slots % rows_per_page
+    raw = storage[page[:, None], (row * data_bytes)[:, None] + torch.arange(data_bytes, device=slots.device)]
+    values = raw[:, :nope].contiguous().view(torch.float8_e4m3fn).float()
+    rope = raw[:, nope:].contiguous().view(torch.bfloat16).float()
+    scale_at = rows_per_page * data_bytes + row * SCALE_BYTES
+    exps = storage[page[:, None], scale_at[:, None] + torch.arange(nope // SCALE_BLOCK, device=slots.device)]
+    scale = torch.exp2(exps.float() - 127).repeat_interleave(SCALE_BLOCK, dim=1)
+    return torch.cat([values * scale, rope], dim=1)
+
+
+class IndexKeys:
+    """One c4 layer's indexer keys in pages of 64 rows."""
+
+    ROWS = 64
+
+    def __init__(self, num_pages: int, dim: int, dtype: str, device):
+        self.dim, self.fp8 = dim, dtype == "fp8_e4m3"
+        if self.fp8:
+            self.storage = torch.zeros(num_pages, self.ROWS * (dim + 4), dtype=torch.uint8, device=device)
+        else:
+            self.storage = torch.zeros(num_pages * self.ROWS, dim, dtype=torch.bfloat16, device=device)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[pages, 64, dim] view the kernels index as page * stride(0) + row * stride(1)."""
+        if self.fp8:
+            return self.storage[:, : self.ROWS * self.dim].view(torch.float8_e4m3fn).unflatten(1, (self.ROWS, self.dim))
+        return self.storage.view(-1, self.ROWS, self.dim)
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """[pages, 64] fp32 row scales (fp8 only)."""
+        return self.storage[:, self.ROWS * self.dim :].view(torch.float32) if self.fp8 else None
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        page, row = slots.long() // self.ROWS, slots.long() % self.ROWS
+        if not self.fp8:
+            self.values[page, row] = keys.to(torch.bfloat16)
+            return
+        scale = _pow2_scale(keys.float().abs().amax(-1))
+        self.values[page, row] = (keys.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        self.scales[page, row] = scale
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        page, row = slots.long() // self.ROWS, slots.long() % self.ROWS
+        keys = self.values[page, row].float()
+        return keys * self.scales[page, row][:, None] if self.fp8 else keys

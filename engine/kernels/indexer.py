@@ -1,0 +1,130 @@
+"""Lightning-indexer logits over paged c4 index keys (reference §5.3, §14.1).
+
+logits[b, r] = scale_r * sum_h w[b, h] * ReLU(q[b, h] . k_r) for every c4 row r < c4_len[b]; rows past c4_len are not
+written (top-k never reads them). Keys live in pages of 64 rows: row r of request b is physical row
+page_table[b, r // 64] * 64 + r % 64. FP8 keys carry one fp32 scale per row (block-major page: 64 x 128 e4m3 values,
+then 64 scales); bf16 keys have none.
+
+The Triton kernel runs on a fixed grid (batch, splits) that does not change between CUDA-graph replays; each program
+walks its share of the request's pages up to c4_len only, so the work follows the actual length, never the
+configured maximum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.dispatch import interpreting, use_triton
+
+ROWS_PER_PAGE = 64
+DEFAULT_SPLITS = 32
+
+
+def indexer_logits_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_scales: torch.Tensor | None,
+    page_table: torch.Tensor,
+    c4_len: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """q [B, H, D]; weights [B, H] fp32; keys [pages, 64, D] (`IndexKeys.values`); key_scales [pages, 64] fp32 or
+    None; page_table [B, max_pages] int32; c4_len [B] int32; out [B, max_pages * 64] fp32."""
+    for b in range(q.shape[0]):
+        n = int(c4_len[b])
+        if n == 0:
+            continue
+        rows = torch.arange(n, device=q.device)
+        page, row = page_table[b, rows // ROWS_PER_PAGE].long(), rows % ROWS_PER_PAGE
+        scores = torch.relu(q[b].float() @ keys[page, row].float().T)  # [H, n]
+        logits = (weights[b, :, None] * scores).sum(0)
+        if key_scales is not None:
+            logits = logits * key_scales[page, row]
+        out[b, :n] = logits
+    return out
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    ks_ptr,
+    pt_ptr,
+    len_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_wb,
+    stride_kp,
+    stride_kr,
+    stride_sp,
+    stride_ptb,
+    stride_ob,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    n = tl.load(len_ptr + b)
+    n_pages = tl.cdiv(n, ROWS)
+    h = tl.arange(0, H)
+    d = tl.arange(0, D)
+    r = tl.arange(0, ROWS)
+    q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :])
+    w = tl.load(w_ptr + b * stride_wb + h)
+    for p in range(split, n_pages, SPLITS):
+        page = tl.load(pt_ptr + b * stride_ptb + p).to(tl.int64)
+        k = tl.load(k_ptr + page * stride_kp + r[:, None] * stride_kr + d[None, :]).to(q.dtype)
+        if F32_DOT:
+            s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(k, tl.trans(q))
+        logits = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
+        if HAS_SCALE:
+            logits = logits * tl.load(ks_ptr + page * stride_sp + r)
+        row = p * ROWS + r
+        tl.store(out_ptr + b * stride_ob + row, logits, mask=row < n)
+
+
+def indexer_logits_triton(q, weights, keys, key_scales, page_table, c4_len, out, splits: int = DEFAULT_SPLITS):
+    batch, heads, dim = q.shape
+    if keys.dtype == torch.float8_e4m3fn and q.dtype == torch.float32:
+        raise ValueError("fp8 keys need bf16 queries")
+    _indexer_logits_kernel[(batch, splits)](
+        q,
+        weights,
+        keys,
+        key_scales if key_scales is not None else weights,
+        page_table,
+        c4_len,
+        out,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        key_scales.stride(0) if key_scales is not None else 0,
+        page_table.stride(0),
+        out.stride(0),
+        H=heads,
+        D=dim,
+        ROWS=ROWS_PER_PAGE,
+        SPLITS=splits,
+        HAS_SCALE=key_scales is not None,
+        F32_DOT=q.dtype == torch.float32 or interpreting(),
+        num_warps=4,
+    )
+    return out
+
+
+def indexer_logits(q, weights, keys, key_scales, page_table, c4_len, out):
+    impl = indexer_logits_triton if use_triton(q.device) else indexer_logits_reference
+    return impl(q, weights, keys, key_scales, page_table, c4_len, out)

@@ -1,0 +1,207 @@
+"""Sparse decode attention with an attention sink (reference §5.4, §14.2): one query token per request attends to
+its sliding-window rows (a ring of `window` rows in page `seq_slot`) and to a list of compressed rows (the indexer's
+top-k for c4 layers, every visible row for c128 layers), keys being the values:
+
+    o_h = sum_j exp(s_hj) kv_j / (sum_j exp(s_hj) + exp(sink_h)),   s_hj = scale * q_h . kv_j
+
+Rows are bf16, or the 584-byte fp8 rows of `engine/cache/kv_cache.py`. The Triton kernel splits each request's
+key list across programs (split-K) and merges the partial results by log-sum-exp, the sink joining in the merge;
+index blocks past the request's real list length are skipped, so work follows the actual length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
+from engine.kernels.dispatch import interpreting, use_triton
+
+BLOCK_N = 32
+DEFAULT_SPLITS = 4
+
+
+def attend_with_sink(
+    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The formula on dense inputs: q [T, H, D], keys [L, D], allowed [T, L] bool, sink [H] -> [T, H, D] fp32."""
+    s = torch.einsum("thd,ld->thl", q.float(), keys.float()) * scale
+    s = s.masked_fill(~allowed[:, None, :], float("-inf"))
+    m = torch.maximum(s.amax(dim=-1), sink[None, :])
+    p = torch.exp(s - m[..., None])
+    denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
+    return torch.einsum("thl,ld->thd", p, keys.float()) / denom[..., None]
+
+
+def sparse_decode_attention_reference(
+    q: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    window_rows: torch.Tensor,
+    seq_slot: torch.Tensor,
+    positions: torch.Tensor,
+    comp_rows: torch.Tensor,
+    comp_rows_per_page: int,
+    comp_slots: torch.Tensor,
+    comp_len: torch.Tensor,
+    out: torch.Tensor,
+    window: int,
+    rope_dim: int,
+) -> torch.Tensor:
+    """q [B, H, D]; sink [H] fp32; window_rows: `MainRows.storage` with `window` rows a page, request b's ring in
+    page seq_slot[b] (row = position % window); positions [B] int32 (the query's); comp_rows: `MainRows.storage` with
+    `comp_rows_per_page` rows a page; comp_slots [B, K] int32 physical slots (-1 = none), the first comp_len[b]
+    meaningful; out [B, H, D]."""
+    head_dim = q.shape[-1]
+    for b in range(q.shape[0]):
+        t = int(positions[b])
+        ring = (t - torch.arange(min(t + 1, window), device=q.device)) % window + int(seq_slot[b]) * window
+        keys = [read_main_rows(window_rows, ring, window, head_dim, rope_dim)]
+        picked = comp_slots[b, : int(comp_len[b])]
+        picked = picked[picked >= 0]
+        if len(picked):
+            keys.append(read_main_rows(comp_rows, picked, comp_rows_per_page, head_dim, rope_dim))
+        keys = torch.cat(keys)
+        allowed = torch.ones(1, keys.shape[0], dtype=torch.bool, device=q.device)
+        out[b] = attend_with_sink(q[b : b + 1], keys, allowed, sink, scale)[0].to(out.dtype)
+    return out
+
+
+@triton.jit
+def _load_rows(ptr, page, row, rows_per_page, valid, d, D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr):
+    """[BN, D] fp32 rows at (page, row); invalid rows read as zeros without touching memory."""
+    if FP8:
+        data_bytes = D + (D - NOPE)  # nope e4m3 bytes + rope bf16 bytes
+        page_base = page.to(tl.int64) * (rows_per_page * (data_bytes + 8))
+        data = page_base + row * data_bytes
+        is_nope = d < NOPE
+        raw = tl.load(ptr + data[:, None] + d[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
+        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale_at = page_base + rows_per_page * data_bytes + row * 8
+        exps = tl.load(ptr + scale_at[:, None] + d[None, :] // 64, mask=valid[:, None] & is_nope[None, :], other=127)
+        nope = nope * tl.exp2(exps.to(tl.float32) - 127.0)
+        rope_ptr = (ptr + data + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        rope = tl.load(rope_ptr[:, None] + (d - NOPE)[None, :], mask=valid[:, None] & (d >= NOPE)[None, :], other=0.0)
+        return tl.where(is_nope[None, :], nope, rope.to(tl.float32))
+    else:
+        slot = page.to(tl.int64) * rows_per_page + row
+        return tl.load(ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, win_ptr, comp_ptr, seq_slot_ptr, pos_ptr, cslots_ptr, clen_ptr, o_part_ptr, lse_part_ptr,
+    stride_qb, stride_qh, stride_cb, scale,
+    H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr,
+    R_COMP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    t = tl.load(pos_ptr + b)
+    ring_page = tl.load(seq_slot_ptr + b)
+    win_len = tl.minimum(t + 1, W)
+    clen = tl.load(clen_ptr + b)
+    n_blocks = W // BN + tl.cdiv(clen, BN)
+    heads = hb * HB + tl.arange(0, HB)
+    d = tl.arange(0, D)
+    j = tl.arange(0, BN)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(heads < H)[:, None], other=0.0)
+    if F32_DOT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(tl.bfloat16)
+    m = tl.full([HB], float("-inf"), tl.float32)
+    denom = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, D], tl.float32)
+    for blk in range(split, n_blocks, SPLITS):
+        idx = blk * BN + j
+        in_window = idx < W
+        win_valid = in_window & (idx < win_len)
+        c = idx - W
+        comp_valid = (~in_window) & (c < clen)
+        slot = tl.load(cslots_ptr + b * stride_cb + c, mask=comp_valid, other=-1)
+        comp_valid = comp_valid & (slot >= 0)
+        ring_row = (t - idx + W) % W
+        k = _load_rows(win_ptr, ring_page + 0 * j, ring_row, W, win_valid, d, D, NOPE, FP8)
+        k += _load_rows(comp_ptr, slot // R_COMP, slot % R_COMP, R_COMP, comp_valid, d, D, NOPE, FP8)
+        valid = win_valid | comp_valid
+        if F32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            k = k.to(tl.bfloat16)
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        m = m_new
+    has = denom > 0
+    o = acc / tl.where(has, denom, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+    part = (b * SPLITS + split) * H + heads
+    tl.store(o_part_ptr + part[:, None] * D + d[None, :], o, mask=(heads < H)[:, None])
+    tl.store(lse_part_ptr + part, lse, mask=heads < H)
+
+
+@triton.jit
+def _combine_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
+                    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_POW2)
+    d = tl.arange(0, D)
+    part = (b * SPLITS + s) * H + h
+    lse = tl.load(lse_part_ptr + part, mask=s < SPLITS, other=float("-inf"))
+    sink = tl.load(sink_ptr + h)
+    top = tl.maximum(tl.max(lse, axis=0), sink)
+    total = tl.sum(tl.exp(lse - top), axis=0) + tl.exp(sink - top)  # the sink joins the denominator only
+    w = tl.exp(lse - top) / total
+    o = tl.sum(
+        w[:, None] * tl.load(o_part_ptr + part[:, None] * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0), axis=0
+    )
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def sparse_decode_attention_triton(
+    q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
+    window, rope_dim, splits: int = DEFAULT_SPLITS,
+):  # fmt: skip
+    batch, heads, dim = q.shape
+    head_block = min(64, max(16, triton.next_power_of_2(heads)))
+    o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32)
+    fp8 = window_rows.dtype == torch.uint8
+    block_n = min(BLOCK_N, window)  # window blocks must not straddle into the compressed rows
+    if window % block_n:
+        raise ValueError(f"window {window} must be a multiple of {block_n}")
+    _sparse_attention_kernel[(batch, triton.cdiv(heads, head_block), splits)](
+        q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part,
+        q.stride(0), q.stride(1), comp_slots.stride(0), scale,
+        H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page, BN=block_n,
+        SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=8,
+    )  # fmt: skip
+    _combine_kernel[(batch, heads)](
+        o_part, lse_part, sink, out, out.stride(0), out.stride(1),
+        H=heads, D=dim, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
+    )  # fmt: skip
+    return out
+
+
+def sparse_decode_attention(
+    q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
+    window, rope_dim,
+):  # fmt: skip
+    impl = sparse_decode_attention_triton if use_triton(q.device) else sparse_decode_attention_reference
+    return impl(q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots,
+                comp_len, out, window, rope_dim)  # fmt: skip
+
+
+assert SCALE_BYTES == 8  # the kernel's fp8 page arithmetic assumes 8 scale bytes a row
