@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import os
 
 import pytest
 
@@ -20,6 +21,12 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter. It must be chosen before any kernel module is imported
+# (triton.jit decides at decoration time), hence here, before test modules import the engine.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

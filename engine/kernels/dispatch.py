@@ -24,3 +24,12 @@ def interpreting() -> bool:
     """Triton's CPU interpreter runs the kernels; its bf16 tl.dot is wrong (as of Triton 3.6), so kernels upcast dot
     operands to fp32 there."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def splits_for(batch: int, device: torch.device, waves: int = 4, cap: int = 1024) -> int:
+    """Programs per request so that a grid of (batch, splits) fills the GPU `waves` times over. It depends only on
+    the batch size, so a CUDA graph captured for a batch size keeps its grid."""
+    if device.type != "cuda":
+        return 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(cap, waves * sms // batch))

@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, use_triton
+from engine.kernels.dispatch import interpreting, splits_for, use_triton
 
 ROWS_PER_PAGE = 64
-DEFAULT_SPLITS = 32
 
 
 def indexer_logits_reference(
@@ -67,9 +66,11 @@ def _indexer_logits_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     ROWS: tl.constexpr,
+    PAGES: tl.constexpr,
     SPLITS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     F32_DOT: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,25 +78,40 @@ def _indexer_logits_kernel(
     n_pages = tl.cdiv(n, ROWS)
     h = tl.arange(0, H)
     d = tl.arange(0, D)
-    r = tl.arange(0, ROWS)
+    i = tl.arange(0, PAGES * ROWS)  # PAGES pages a step: a larger dot, fewer dependent page-table loads
     q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :])
     w = tl.load(w_ptr + b * stride_wb + h)
-    for p in range(split, n_pages, SPLITS):
-        page = tl.load(pt_ptr + b * stride_ptb + p).to(tl.int64)
-        k = tl.load(k_ptr + page * stride_kp + r[:, None] * stride_kr + d[None, :]).to(q.dtype)
+    if FP8_DOT:
+        # FP8 keys meet FP8 queries on the tensor cores: each head's query is scaled by a power of two into e4m3
+        # range (exact for the FP4-rounded queries of quant_sim) and the scale moves into the head weight, which
+        # ReLU allows since the scale is positive.
+        amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        q_scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0))), 1.0)
+        q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
+        w = w * q_scale
+    for group in range(split, tl.cdiv(n_pages, PAGES), SPLITS):
+        p = group * PAGES + i // ROWS
+        page = tl.load(pt_ptr + b * stride_ptb + p, mask=p < n_pages, other=0).to(tl.int64)
+        row_in_page = i % ROWS
+        k = tl.load(k_ptr + page[:, None] * stride_kp + row_in_page[:, None] * stride_kr + d[None, :],
+                    mask=(p < n_pages)[:, None], other=0.0)  # fmt: skip
         if F32_DOT:
             s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(k, tl.trans(q))
+            s = tl.dot(k.to(q.dtype), tl.trans(q))
         logits = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
         if HAS_SCALE:
-            logits = logits * tl.load(ks_ptr + page * stride_sp + r)
-        row = p * ROWS + r
+            logits = logits * tl.load(ks_ptr + page * stride_sp + row_in_page, mask=p < n_pages, other=0.0)
+        row = group * PAGES * ROWS + i
         tl.store(out_ptr + b * stride_ob + row, logits, mask=row < n)
 
 
-def indexer_logits_triton(q, weights, keys, key_scales, page_table, c4_len, out, splits: int = DEFAULT_SPLITS):
+def indexer_logits_triton(
+    q, weights, keys, key_scales, page_table, c4_len, out, splits: int | None = None, pages_per_step: int = 2,
+    num_warps: int = 8, num_stages: int = 3,
+):  # fmt: skip
     batch, heads, dim = q.shape
+    splits = splits or splits_for(batch, q.device)
     if keys.dtype == torch.float8_e4m3fn and q.dtype == torch.float32:
         raise ValueError("fp8 keys need bf16 queries")
     _indexer_logits_kernel[(batch, splits)](
@@ -117,10 +133,13 @@ def indexer_logits_triton(q, weights, keys, key_scales, page_table, c4_len, out,
         H=heads,
         D=dim,
         ROWS=ROWS_PER_PAGE,
+        PAGES=pages_per_step,
         SPLITS=splits,
         HAS_SCALE=key_scales is not None,
         F32_DOT=q.dtype == torch.float32 or interpreting(),
-        num_warps=4,
+        FP8_DOT=keys.dtype == torch.float8_e4m3fn and not interpreting(),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -16,10 +16,9 @@ import triton
 import triton.language as tl
 
 from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
-from engine.kernels.dispatch import interpreting, use_triton
+from engine.kernels.dispatch import interpreting, splits_for, use_triton
 
-BLOCK_N = 32
-DEFAULT_SPLITS = 4
+BLOCK_N = 64  # launch defaults from `bench/kernels.py --sweep` on an H200 (bench/results/kernels.md)
 
 
 def attend_with_sink(
@@ -69,33 +68,52 @@ def sparse_decode_attention_reference(
 
 
 @triton.jit
-def _load_rows(ptr, page, row, rows_per_page, valid, d, D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr):
-    """[BN, D] fp32 rows at (page, row); invalid rows read as zeros without touching memory."""
+def _load_rows(ptr, page, row, rows_per_page, valid, D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr):
+    """Rows at (page, row) as (nope [BN, NOPE_POW2] fp32, zero past NOPE; rope [BN, D - NOPE] fp32). Invalid rows
+    read as zeros without touching memory."""
+    NOPE_BLOCKS: tl.constexpr = triton.next_power_of_2(NOPE // 64)
+    ROPE: tl.constexpr = D - NOPE
+    blk = tl.arange(0, NOPE_BLOCKS)
+    e = tl.arange(0, 64)
+    r = tl.arange(0, ROPE)
+    nope_mask = valid[:, None, None] & (blk < NOPE // 64)[None, :, None]
     if FP8:
-        data_bytes = D + (D - NOPE)  # nope e4m3 bytes + rope bf16 bytes
+        data_bytes = NOPE + 2 * ROPE
         page_base = page.to(tl.int64) * (rows_per_page * (data_bytes + 8))
-        data = page_base + row * data_bytes
-        is_nope = d < NOPE
-        raw = tl.load(ptr + data[:, None] + d[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
-        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        data = tl.multiple_of(page_base + row * data_bytes, 16)  # rows start 16-byte aligned: vector loads
+        raw = tl.load(ptr + data[:, None, None] + (blk[:, None] * 64 + e[None, :])[None, :, :], mask=nope_mask, other=0)
         scale_at = page_base + rows_per_page * data_bytes + row * 8
-        exps = tl.load(ptr + scale_at[:, None] + d[None, :] // 64, mask=valid[:, None] & is_nope[None, :], other=127)
-        nope = nope * tl.exp2(exps.to(tl.float32) - 127.0)
+        exps = tl.load(
+            ptr + scale_at[:, None] + blk[None, :], mask=valid[:, None] & (blk < NOPE // 64)[None, :], other=127
+        )
+        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(exps.to(tl.float32) - 127.0)[:, :, None]
         rope_ptr = (ptr + data + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        rope = tl.load(rope_ptr[:, None] + (d - NOPE)[None, :], mask=valid[:, None] & (d >= NOPE)[None, :], other=0.0)
-        return tl.where(is_nope[None, :], nope, rope.to(tl.float32))
+        rope = tl.load(rope_ptr[:, None] + r[None, :], mask=valid[:, None], other=0.0)
     else:
-        slot = page.to(tl.int64) * rows_per_page + row
-        return tl.load(ptr + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        base = (page.to(tl.int64) * rows_per_page + row) * D
+        nope = tl.load(ptr + base[:, None, None] + (blk[:, None] * 64 + e[None, :])[None, :, :], mask=nope_mask,
+                       other=0.0)  # fmt: skip
+        rope = tl.load(ptr + base[:, None] + NOPE + r[None, :], mask=valid[:, None], other=0.0)
+    return tl.reshape(nope.to(tl.float32), (nope.shape[0], NOPE_BLOCKS * 64)), rope.to(tl.float32)
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, win_ptr, comp_ptr, seq_slot_ptr, pos_ptr, cslots_ptr, clen_ptr, o_part_ptr, lse_part_ptr,
-    stride_qb, stride_qh, stride_cb, scale,
+    q_ptr, win_ptr, comp_ptr, seq_slot_ptr, pos_ptr, cslots_ptr, clen_ptr, o_part_ptr, lse_part_ptr, sink_ptr, out_ptr,
+    stride_qb, stride_qh, stride_cb, stride_ob, stride_oh, scale,
     H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr,
     R_COMP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
+    NOPE_PAD: tl.constexpr = triton.next_power_of_2(NOPE // 64) * 64
+    ROPE: tl.constexpr = D - NOPE
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,51 +121,56 @@ def _sparse_attention_kernel(
     ring_page = tl.load(seq_slot_ptr + b)
     win_len = tl.minimum(t + 1, W)
     clen = tl.load(clen_ptr + b)
+    win_blocks = tl.cdiv(win_len, BN)  # window blocks past the filled part are skipped
     n_blocks = W // BN + tl.cdiv(clen, BN)
     heads = hb * HB + tl.arange(0, HB)
-    d = tl.arange(0, D)
+    head_ok = (heads < H)[:, None]
+    dn = tl.arange(0, NOPE_PAD)
+    dr = tl.arange(0, ROPE)
     j = tl.arange(0, BN)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(heads < H)[:, None], other=0.0)
-    if F32_DOT:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(tl.bfloat16)
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_nope = tl.load(q_row + dn[None, :], mask=head_ok & (dn < NOPE)[None, :], other=0.0)
+    q_rope = tl.load(q_row + NOPE + dr[None, :], mask=head_ok, other=0.0)
     m = tl.full([HB], float("-inf"), tl.float32)
     denom = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, D], tl.float32)
+    acc_nope = tl.zeros([HB, NOPE_PAD], tl.float32)
+    acc_rope = tl.zeros([HB, ROPE], tl.float32)
     for blk in range(split, n_blocks, SPLITS):
-        idx = blk * BN + j
-        in_window = idx < W
-        win_valid = in_window & (idx < win_len)
-        c = idx - W
-        comp_valid = (~in_window) & (c < clen)
-        slot = tl.load(cslots_ptr + b * stride_cb + c, mask=comp_valid, other=-1)
-        comp_valid = comp_valid & (slot >= 0)
-        ring_row = (t - idx + W) % W
-        k = _load_rows(win_ptr, ring_page + 0 * j, ring_row, W, win_valid, d, D, NOPE, FP8)
-        k += _load_rows(comp_ptr, slot // R_COMP, slot % R_COMP, R_COMP, comp_valid, d, D, NOPE, FP8)
-        valid = win_valid | comp_valid
-        if F32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            k = k.to(tl.bfloat16)
-            s = tl.dot(q, tl.trans(k))
+        if blk < W // BN:  # a block of the sliding window, from the request's ring
+            idx = blk * BN + j
+            valid = (idx < win_len) & (blk < win_blocks)
+            k_nope, k_rope = _load_rows(win_ptr, ring_page + 0 * j, (t - idx + W) % W, W, valid, D, NOPE, FP8)
+        else:  # a block of the compressed-row list
+            c = (blk - W // BN) * BN + j
+            slot = tl.load(cslots_ptr + b * stride_cb + c, mask=c < clen, other=-1)
+            valid = slot >= 0
+            k_nope, k_rope = _load_rows(comp_ptr, slot // R_COMP, slot % R_COMP, R_COMP, valid, D, NOPE, FP8)
+        s = _dot(q_nope, tl.trans(k_nope), F32_DOT) + _dot(q_rope, tl.trans(k_rope), F32_DOT)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         denom = denom * alpha + tl.sum(p, axis=1)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), k)
+        acc_nope = acc_nope * alpha[:, None] + _dot(p, k_nope, F32_DOT)
+        acc_rope = acc_rope * alpha[:, None] + _dot(p, k_rope, F32_DOT)
         m = m_new
+    if SPLITS == 1:  # the whole list in one program: merge the sink here and write the output directly
+        sink = tl.load(sink_ptr + heads, mask=heads < H, other=0.0)
+        top = tl.maximum(m, sink)
+        keep = tl.exp(m - top)
+        inv = keep / (denom * keep + tl.exp(sink - top))
+        out_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
+        out_ty = out_ptr.dtype.element_ty
+        tl.store(out_row + dn[None, :], (acc_nope * inv[:, None]).to(out_ty), mask=head_ok & (dn < NOPE)[None, :])
+        tl.store(out_row + NOPE + dr[None, :], (acc_rope * inv[:, None]).to(out_ty), mask=head_ok)
+        return
     has = denom > 0
-    o = acc / tl.where(has, denom, 1.0)[:, None]
+    inv = 1.0 / tl.where(has, denom, 1.0)
     lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
     part = (b * SPLITS + split) * H + heads
-    tl.store(o_part_ptr + part[:, None] * D + d[None, :], o, mask=(heads < H)[:, None])
+    tl.store(o_part_ptr + part[:, None] * D + dn[None, :], acc_nope * inv[:, None], mask=head_ok & (dn < NOPE)[None, :])
+    tl.store(o_part_ptr + part[:, None] * D + NOPE + dr[None, :], acc_rope * inv[:, None], mask=head_ok)
     tl.store(lse_part_ptr + part, lse, mask=heads < H)
 
 
@@ -172,26 +195,30 @@ def _combine_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stri
 
 def sparse_decode_attention_triton(
     q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
-    window, rope_dim, splits: int = DEFAULT_SPLITS,
+    window, rope_dim, splits: int | None = None, head_block: int | None = None, block_n: int = BLOCK_N,
+    num_warps: int = 8, num_stages: int = 2,
 ):  # fmt: skip
     batch, heads, dim = q.shape
-    head_block = min(64, max(16, triton.next_power_of_2(heads)))
-    o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32)
+    head_block = head_block or min(64, max(16, triton.next_power_of_2(heads)))
+    splits = splits or splits_for(batch * triton.cdiv(heads, head_block), q.device, waves=1, cap=16)
+    o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32) if splits > 1 else out
+    lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32) if splits > 1 else sink
     fp8 = window_rows.dtype == torch.uint8
-    block_n = min(BLOCK_N, window)  # window blocks must not straddle into the compressed rows
+    block_n = min(block_n, window)  # window blocks must not straddle into the compressed rows
     if window % block_n:
         raise ValueError(f"window {window} must be a multiple of {block_n}")
     _sparse_attention_kernel[(batch, triton.cdiv(heads, head_block), splits)](
-        q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part,
-        q.stride(0), q.stride(1), comp_slots.stride(0), scale,
+        q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part, sink, out,
+        q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale,
         H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page, BN=block_n,
-        SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=8,
+        SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
-    _combine_kernel[(batch, heads)](
-        o_part, lse_part, sink, out, out.stride(0), out.stride(1),
-        H=heads, D=dim, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
-    )  # fmt: skip
+    if splits > 1:
+        _combine_kernel[(batch, heads)](
+            o_part, lse_part, sink, out, out.stride(0), out.stride(1),
+            H=heads, D=dim, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
+        )  # fmt: skip
     return out
 
 

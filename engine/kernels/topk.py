@@ -2,7 +2,7 @@
 as physical row slots through the page table (reference §5.3, §14.1).
 
 When c4_len <= k every valid row is selected directly. Otherwise the Triton path is an exact radix select on the
-order-preserving 32-bit key of each fp32 logit: three rounds (11 + 11 + 10 bits) of histogram + threshold choice find
+order-preserving 32-bit key of each fp32 logit: four rounds of 8 bits (histogram + threshold choice) find
 the k-th largest key T; a last pass writes every row with key > T and as many rows with key == T as are still
 needed. Every launch has a fixed grid (CUDA-graph safe) and reads only rows < c4_len.
 
@@ -18,13 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import use_triton
+from engine.kernels.dispatch import splits_for, use_triton
 
 ROWS_PER_PAGE = 64
-NUM_BINS = 2048
-ROUNDS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix round, high bits first
-DEFAULT_SPLITS = 16
-BLOCK = 1024
+# (shift, bits) of each radix round, high bits first. 256 bins keep the histogram atomics per program few.
+NUM_BINS = 256
+ROUNDS = ((24, 8), (16, 8), (8, 8), (0, 8))
+BLOCK = 2048
 
 
 def topk_slots_reference(
@@ -158,8 +158,9 @@ def _topk_write_kernel(
 
 
 def topk_slots_triton(logits, c4_len, page_table, k, out, workspace: TopKWorkspace | None = None,
-                      splits: int = DEFAULT_SPLITS):  # fmt: skip
+                      splits: int | None = None):  # fmt: skip
     batch = logits.shape[0]
+    splits = splits or splits_for(batch, logits.device, waves=1, cap=128)
     ws = workspace or TopKWorkspace.allocate(batch, logits.device)
     match_shift = 32
     for round_no, (shift, bits) in enumerate(ROUNDS):

@@ -3,23 +3,16 @@ lengths 0, 1, not a multiple of the page, exactly k, past k; bf16 and FP8 rows."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles anything: CPU interpretation
+from engine.cache.kv_cache import IndexKeys, MainRows
+from engine.kernels.indexer import indexer_logits_reference, indexer_logits_triton
+from engine.kernels.sparse_attention import sparse_decode_attention_reference, sparse_decode_attention_triton
+from engine.kernels.topk import topk_slots_reference, topk_slots_triton
 
-from engine.cache.kv_cache import IndexKeys, MainRows  # noqa: E402
-from engine.kernels.indexer import indexer_logits_reference, indexer_logits_triton  # noqa: E402
-from engine.kernels.sparse_attention import (  # noqa: E402
-    sparse_decode_attention_reference,
-    sparse_decode_attention_triton,
-)
-from engine.kernels.topk import topk_slots_reference, topk_slots_triton  # noqa: E402
-
-if torch.cuda.is_available():
-    pytest.skip("interpreter tests run on CPU machines; tests/gpu covers CUDA", allow_module_level=True)
+# tests/conftest.py selects Triton's interpreter on CPU machines; on a GPU tests/gpu runs the same checks at size.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; tests/gpu covers CUDA")
 
 KV_DTYPES = ["bfloat16", "fp8_e4m3"]
 
@@ -29,7 +22,8 @@ def _page_tables(batch: int, pages_each: int, num_pages: int, gen: torch.Generat
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_indexer_logits(kv_dtype):
+@pytest.mark.parametrize("pages_per_step", [1, 2])
+def test_indexer_logits(kv_dtype, pages_per_step):
     gen = torch.Generator().manual_seed(1)
     batch, heads, dim, pages = 5, 16, 128, 12
     keys = IndexKeys(pages, dim, kv_dtype, "cpu")
@@ -41,7 +35,7 @@ def test_indexer_logits(kv_dtype):
     sentinel = 12345.0
     ref = indexer_logits_reference(q, w, keys.values, keys.scales, table, c4_len, torch.full((batch, 320), sentinel))
     out = indexer_logits_triton(q, w, keys.values, keys.scales, table, c4_len, torch.full((batch, 320), sentinel),
-                                splits=3)  # fmt: skip
+                                splits=3, pages_per_step=pages_per_step)  # fmt: skip
     for b, n in enumerate(c4_len.tolist()):
         torch.testing.assert_close(out[b, :n], ref[b, :n], rtol=1e-5, atol=1e-4)
         assert (out[b, n:] == sentinel).all(), "rows past c4_len must not be written"
@@ -73,7 +67,8 @@ def test_topk_slots_bounded_by_length(k):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("ratio_rows", [64, 2])  # c4 pages hold 64 rows, c128 pages 2
-def test_sparse_decode_attention(kv_dtype, ratio_rows):
+@pytest.mark.parametrize("splits", [1, 3])  # one program per request (sink merged in-kernel), or split-K + combine
+def test_sparse_decode_attention(kv_dtype, ratio_rows, splits):
     gen = torch.Generator().manual_seed(3)
     batch, heads, dim, rope, window, pages, k = 5, 8, 128, 64, 16, 40, 12
     ring = MainRows(batch, window, dim, rope, kv_dtype, "cpu")
@@ -90,5 +85,5 @@ def test_sparse_decode_attention(kv_dtype, ratio_rows):
     slots[4, 3] = -1  # a hole inside the list is skipped
     args = (q, sink, 128**-0.5, ring.storage, seq_slot, positions, comp.storage, ratio_rows, slots, comp_len)
     ref = sparse_decode_attention_reference(*args, torch.zeros(batch, heads, dim), window, rope)
-    out = sparse_decode_attention_triton(*args, torch.zeros(batch, heads, dim), window, rope, splits=3)
+    out = sparse_decode_attention_triton(*args, torch.zeros(batch, heads, dim), window, rope, splits=splits)
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)  # bf16 queries: the kernel's P@V runs in bf16
