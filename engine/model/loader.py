@@ -101,6 +101,8 @@ def load_model(
             target.copy_(tensor.to(target.dtype))
             if progress is not None:
                 progress(done, total)
+            if done * 10 // total != (done - 1) * 10 // total:  # every tenth of the tensors
+                log.info("load_progress", tensors_loaded=done, tensors_total=total)
     log.info("weights_loaded", model=str(model_dir), tensors=total, seconds=round(time.monotonic() - started, 3))
     return model.eval()
 
