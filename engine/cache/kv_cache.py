@@ -2,11 +2,11 @@
 codecs that write and read them.
 
 Main rows (window ring, c4 and c128 compressed rows), `rows_per_page` rows a page:
-- bfloat16: `[pages * rows_per_page, head_dim]`;
+- bfloat16 (or float32, for fp32 models on the CPU): `[pages * rows_per_page, head_dim]`;
 - fp8_e4m3: `[pages, rows_per_page * 584]` bytes. A page holds its rows' data first (each 448 e4m3 nope channels,
   then 64 bf16 RoPE channels = 576 B), then their scales (7 ue8m0 bytes, one per 64 nope channels, + 1 pad).
 Index keys (c4 layers), 64 rows a page:
-- bfloat16: `[pages * 64, index_head_dim]`;
+- bfloat16 / float32: `[pages * 64, index_head_dim]`;
 - fp8_e4m3: `[pages, 64 * (128 + 4)]` bytes, block-major: 64 x 128 e4m3 values, then 64 fp32 row scales.
 """
 
@@ -41,7 +41,7 @@ class MainRows:
             assert self.nope // SCALE_BLOCK <= SCALE_BYTES
             self.storage = torch.zeros(num_pages, rows_per_page * self.row_bytes, dtype=torch.uint8, device=device)
         else:
-            self.storage = torch.zeros(num_pages * rows_per_page, head_dim, dtype=torch.bfloat16, device=device)
+            self.storage = torch.zeros(num_pages * rows_per_page, head_dim, dtype=getattr(torch, dtype), device=device)
 
     def _offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         page, row = slots // self.rows_per_page, slots % self.rows_per_page
@@ -50,7 +50,7 @@ class MainRows:
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [N, head_dim] -> physical `slots` [N]."""
         if not self.fp8:
-            self.storage[slots] = rows.to(torch.bfloat16)
+            self.storage[slots] = rows.to(self.storage.dtype)
             return
         nope = rows[:, : self.nope].float().unflatten(-1, (-1, SCALE_BLOCK))
         scale = _pow2_scale(nope.abs().amax(-1, keepdim=True))
@@ -88,13 +88,14 @@ class IndexKeys:
     """One c4 layer's indexer keys in pages of 64 rows."""
 
     ROWS = 64
+    rows_per_page = ROWS
 
     def __init__(self, num_pages: int, dim: int, dtype: str, device):
         self.dim, self.fp8 = dim, dtype == "fp8_e4m3"
         if self.fp8:
             self.storage = torch.zeros(num_pages, self.ROWS * (dim + 4), dtype=torch.uint8, device=device)
         else:
-            self.storage = torch.zeros(num_pages * self.ROWS, dim, dtype=torch.bfloat16, device=device)
+            self.storage = torch.zeros(num_pages * self.ROWS, dim, dtype=getattr(torch, dtype), device=device)
 
     @property
     def values(self) -> torch.Tensor:
@@ -111,7 +112,7 @@ class IndexKeys:
     def write(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
         page, row = slots.long() // self.ROWS, slots.long() % self.ROWS
         if not self.fp8:
-            self.values[page, row] = keys.to(torch.bfloat16)
+            self.values[page, row] = keys.to(self.storage.dtype)
             return
         scale = _pow2_scale(keys.float().abs().amax(-1))
         self.values[page, row] = (keys.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

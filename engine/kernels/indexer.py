@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import interpreting, splits_for, use_triton
+from engine.kernels.scales import pow2_ceil
 
 ROWS_PER_PAGE = 64
 
@@ -86,7 +87,7 @@ def _indexer_logits_kernel(
         # range (exact for the FP4-rounded queries of quant_sim) and the scale moves into the head weight, which
         # ReLU allows since the scale is positive.
         amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
-        q_scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30) / 448.0))), 1.0)
+        q_scale = tl.where(amax > 0, pow2_ceil(amax / 448.0), 1.0)
         q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
         w = w * q_scale
     for group in range(split, tl.cdiv(n_pages, PAGES), SPLITS):

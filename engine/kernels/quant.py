@@ -16,6 +16,8 @@ import torch
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+KV_FP8_BLOCK = 64  # the nope channels of a KV row carry one ue8m0 scale per 64 (the 584-byte row)
+INDEX_FP4_BLOCK = 32
 # The eight magnitudes of e2m1; bit 3 of a code is the sign.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -136,3 +138,13 @@ def dequantize_fp4_weight(
     if scale.shape[-1] * block != values.shape[-1]:
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)}")
     return (values * _e8m0_to_float(scale).repeat_interleave(block, -1)).to(dtype)
+
+
+def simulate_kv_row_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """FP8-round a KV row's nope channels as the cache stores them; RoPE channels stay as they are."""
+    return torch.cat([fp8_simulate(kv[..., :-rope_dim], KV_FP8_BLOCK), kv[..., -rope_dim:]], dim=-1)
+
+
+def simulate_index_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Hadamard-rotate then FP4-round index queries / keys (the rotation spreads outliers before rounding)."""
+    return fp4_simulate(hadamard_rotate(x), INDEX_FP4_BLOCK)

@@ -15,28 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.quant import fp4_simulate, fp8_simulate, hadamard_rotate
+from engine.kernels.compressor import finish_rows, pool_windows
+from engine.kernels.quant import simulate_index_fp4, simulate_kv_row_fp8
+from engine.kernels.sparse_attention import attend_with_sink
 from engine.model.args import ModelArgs
 from engine.model.layers import RMSNorm, Rotary, rms_normalize
 from engine.model.state import CompressorState, ForwardBatch, LayerState
-
-KV_FP8_BLOCK = 64  # the nope channels of a KV row carry one ue8m0 scale per 64 (the 584-byte row)
-INDEX_FP4_BLOCK = 32
-
-
-def sparse_attention(
-    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """o_h = sum_j exp(s_hj) k_j / (sum_j exp(s_hj) + exp(sink_h)), s = q.k * scale, over allowed keys only.
-
-    q [T, H, D], keys [L, D] (keys are also the values), allowed [T, L] bool, sink [H]  ->  [T, H, D] fp32.
-    """
-    s = torch.einsum("thd,ld->thl", q.float(), keys.float()) * scale
-    s = s.masked_fill(~allowed[:, None, :], float("-inf"))
-    m = torch.maximum(s.amax(dim=-1), sink[None, :])
-    p = torch.exp(s - m[..., None])
-    denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
-    return torch.einsum("thl,ld->thd", p, keys.float()) / denom[..., None]
 
 
 class Compressor(nn.Module):
@@ -61,31 +45,11 @@ class Compressor(nn.Module):
 
     def update(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> None:
         """Feed one request's next tokens; append a row to `state.rows` for every window they close."""
-        score = score + self.ape[positions % self.ratio]
-        kv = torch.cat([state.pending_kv, kv])
-        score = torch.cat([state.pending_score, score])
-        n_win = kv.shape[0] // self.ratio
-        usable = n_win * self.ratio
-        state.pending_kv, state.pending_score = kv[usable:], score[usable:]
-        if n_win == 0:
-            return
-        kv = kv[:usable].view(n_win, self.ratio, -1)
-        score = score[:usable].view(n_win, self.ratio, -1)
-        if self.overlap:
-            d = self.dim
-            prev_kv = torch.cat([state.prev_kv[None], kv[:-1, :, :d]])
-            prev_score = torch.cat([state.prev_score[None], score[:-1, :, :d]])
-            state.prev_kv, state.prev_score = kv[-1, :, :d].clone(), score[-1, :, :d].clone()
-            kv = torch.cat([prev_kv, kv[:, :, d:]], dim=1)
-            score = torch.cat([prev_score, score[:, :, d:]], dim=1)
-        pooled = (kv * torch.softmax(score, dim=1)).sum(dim=1)
-        rows = self.norm(pooled.to(state.rows.dtype))
-        first = state.rows.shape[0]
-        positions = (torch.arange(n_win, device=rows.device) + first) * self.ratio  # a row sits at its window start
-        rows = self.rotary(rows, positions)
-        if self.quant_sim:
-            rows = _simulate_index_fp4(rows) if self.for_indexer else _simulate_kv_fp8(rows, self.rotary.rope_dim)
-        state.rows = torch.cat([state.rows, rows])
+        pooled = pool_windows(kv, score, positions, state.kv, state.score, self.ape, self.ratio)
+        if len(pooled):
+            rows = finish_rows(pooled, state.rows.shape[0], self.ratio, self.norm.weight, self.norm.eps,
+                               self.rotary.inv_freq, self.for_indexer, self.quant_sim, state.rows.dtype)  # fmt: skip
+            state.rows = torch.cat([state.rows, rows])
 
 
 class Indexer(nn.Module):
@@ -104,7 +68,7 @@ class Indexer(nn.Module):
         """(index queries [N, Hi, Di], head weights [N, Hi] with both scales folded in)."""
         q = self.rotary(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), positions)
         if self.quant_sim:
-            q = _simulate_index_fp4(q)
+            q = simulate_index_fp4(q)
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return q, w
 
@@ -154,7 +118,7 @@ class Attention(nn.Module):
         q = self.rotary(q, pos)
         kv = self.rotary(self.kv_norm(self.wkv(x)), pos)
         if self.quant_sim:
-            kv = _simulate_kv_fp8(kv, self.rotary.rope_dim)
+            kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
         if self.compressor is not None:
             ckv, cscore = self.compressor.project(x)
         if self.indexer is not None:
@@ -178,7 +142,7 @@ class Attention(nn.Module):
                     chosen = ids[None, :] < ((p + 1) // self.ratio)[:, None]
                 keys = torch.cat([keys, compressed])
                 allowed = torch.cat([allowed, chosen], dim=1)
-            out[rows] = sparse_attention(q[rows], keys, allowed, self.attn_sink, self.scale)
+            out[rows] = attend_with_sink(q[rows], keys, allowed, self.attn_sink, self.scale)
 
         o = self.rotary(out.to(x.dtype), pos, inverse=True)  # values carried RoPE: rotate back to the query
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
@@ -201,13 +165,3 @@ def _rows_mask(picked: torch.Tensor, n: int) -> torch.Tensor:
     mask = torch.zeros(picked.shape[0], n + 1, dtype=torch.bool, device=picked.device)
     mask.scatter_(1, torch.where(picked < 0, n, picked), True)
     return mask[:, :n]
-
-
-def _simulate_kv_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """FP8-round the nope channels as the cache stores them; RoPE channels stay in bf16."""
-    return torch.cat([fp8_simulate(kv[..., :-rope_dim], KV_FP8_BLOCK), kv[..., -rope_dim:]], dim=-1)
-
-
-def _simulate_index_fp4(x: torch.Tensor) -> torch.Tensor:
-    """Hadamard-rotate then FP4-round index queries / keys (the rotation spreads outliers before rounding)."""
-    return fp4_simulate(hadamard_rotate(x), INDEX_FP4_BLOCK)

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from engine.kernels.rope import rotate_interleaved
 from engine.model.args import YarnScaling
 
 
@@ -64,11 +65,4 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D] with positions [N]; returns a new tensor, rope channels rotated (or un-rotated)."""
         cos, sin = self.cos_sin(positions)
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-        cos, sin = cos.view(shape), sin.view(shape)
-        if inverse:
-            sin = -sin
-        nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim :].float()
-        even, odd = rope[..., 0::2], rope[..., 1::2]
-        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-        return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+        return rotate_interleaved(x, cos, -sin if inverse else sin)

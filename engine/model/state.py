@@ -16,25 +16,20 @@ import torch
 class CompressorState:
     """One compressor's progress through a request (main KV or indexer keys)."""
 
-    # Projected kv / gate score (with the position bias added) of tokens in the window not yet closed: [r, coff*d].
-    pending_kv: torch.Tensor
-    pending_score: torch.Tensor
-    # Overlapping (ratio 4) compressors only: the first-half projections of the last closed window, which the
-    # next window pools together with its own second half: [ratio, d]; score -inf before the first window closes.
-    prev_kv: torch.Tensor | None
-    prev_score: torch.Tensor | None
-    # Compressed entries emitted so far, after norm, RoPE and (optional) quantisation simulation: [n, d].
+    # The unfinished windows' projections in the official layout (engine/kernels/compressor.py): kv and gate score
+    # with the position bias added, [coff * ratio, coff * dim] fp32; scores start at -inf.
+    kv: torch.Tensor
+    score: torch.Tensor
+    # Compressed entries emitted so far, after norm, RoPE and (optional) quantisation simulation: [n, dim].
     rows: torch.Tensor
 
     @classmethod
     def empty(cls, ratio: int, dim: int, device: torch.device, dtype: torch.dtype) -> CompressorState:
         coff = 2 if ratio == 4 else 1
-        f32 = dict(device=device, dtype=torch.float32)
+        shape = (coff * ratio, coff * dim)
         return cls(
-            pending_kv=torch.empty(0, coff * dim, **f32),
-            pending_score=torch.empty(0, coff * dim, **f32),
-            prev_kv=torch.zeros(ratio, dim, **f32) if coff == 2 else None,
-            prev_score=torch.full((ratio, dim), float("-inf"), **f32) if coff == 2 else None,
+            kv=torch.zeros(shape, device=device, dtype=torch.float32),
+            score=torch.full(shape, float("-inf"), device=device, dtype=torch.float32),
             rows=torch.empty(0, dim, device=device, dtype=dtype),
         )
 

@@ -1,0 +1,240 @@
+"""The c4 / c128 compressor (reference §5.2): gated softmax pooling of every `ratio` tokens into one compressed row,
+then RMSNorm, RoPE at the window's first position, and the quantisation the cache row simulates.
+
+State per request, in the official layout: `kv_state`, `score_state` [coff*ratio, coff*dim] fp32 (coff = 2 for the
+overlapping ratio-4 compressor, else 1). Overlapping: rows [0, ratio) hold the previous window (its first-half
+features feed this window), rows [ratio, 2*ratio) the current one, slot ratio + pos % ratio; otherwise slot
+pos % ratio. Scores carry the learned position bias and start at -inf, so an empty previous window weighs nothing.
+
+`pool_windows` serves any number of tokens (prefill chunks); `compressor_decode_step` advances a batch of requests
+by one token each and writes the rows it closes into the paged cache; its Triton kernel is capture-safe (fixed
+grid, every request runs, those not closing a window only store their projections).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.cache.kv_cache import IndexKeys, MainRows
+from engine.kernels.dispatch import use_triton
+from engine.kernels.quant import simulate_index_fp4, simulate_kv_row_fp8
+from engine.kernels.rope import rotate_interleaved
+from engine.kernels.scales import ceil_log2, pow2, pow2_ceil
+
+
+def pool_windows(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    positions: torch.Tensor,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    ape: torch.Tensor,
+    ratio: int,
+) -> torch.Tensor:
+    """Feed one request's next tokens (kv, score [T, coff*dim] fp32 at consecutive `positions`); returns the pooled
+    rows [windows closed, dim] fp32 and leaves the state ready for the next token."""
+    overlap = ratio == 4
+    base = ratio if overlap else 0
+    done = int(positions[0]) % ratio  # tokens of the current window already in the state
+    kv = torch.cat([kv_state[base : base + done], kv])
+    score = torch.cat([score_state[base : base + done], score + ape[positions % ratio]])
+    n_win = kv.shape[0] // ratio
+    usable = n_win * ratio
+    left = kv.shape[0] - usable
+    width = kv.shape[1]
+    dim = width // (2 if overlap else 1)
+    windows_kv, windows_score = kv[:usable].view(n_win, ratio, width), score[:usable].view(n_win, ratio, width)
+    if overlap and n_win:
+        prev_kv = torch.cat([kv_state[None, :ratio, :dim], windows_kv[:-1, :, :dim]])
+        prev_score = torch.cat([score_state[None, :ratio, :dim], windows_score[:-1, :, :dim]])
+        kv_state[:ratio], score_state[:ratio] = windows_kv[-1], windows_score[-1]
+        windows_kv = torch.cat([prev_kv, windows_kv[:, :, dim:]], dim=1)
+        windows_score = torch.cat([prev_score, windows_score[:, :, dim:]], dim=1)
+    kv_state[base : base + left], score_state[base : base + left] = kv[usable:], score[usable:]
+    return (windows_kv * torch.softmax(windows_score, dim=1)).sum(dim=1)
+
+
+def finish_rows(
+    pooled: torch.Tensor,
+    first_row: int,
+    ratio: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    for_indexer: bool,
+    quant_sim: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Pooled rows -> cache rows: RMSNorm (in `dtype`'s precision, as the reference), RoPE at each window's first
+    position, and the FP8 (main KV) or Hadamard + FP4 (index keys) rounding when quant_sim is on."""
+    x = pooled.to(dtype).float()
+    rows = (norm_weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)).to(dtype)
+    angles = ((torch.arange(len(rows), device=rows.device) + first_row) * ratio).float()[:, None] * inv_freq[None]
+    rows = rotate_interleaved(rows, angles.cos(), angles.sin())
+    if not quant_sim:
+        return rows
+    return simulate_index_fp4(rows) if for_indexer else simulate_kv_row_fp8(rows, 2 * inv_freq.shape[0])
+
+
+def compressor_decode_step_reference(
+    kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
+    out: MainRows | IndexKeys, ratio: int, for_indexer: bool, quant_sim: bool,
+):  # fmt: skip
+    """One token per request: kv, score [B, coff*dim] fp32; states [slots, coff*ratio, coff*dim] fp32; a closed
+    window's row r goes to physical slot page_table[b, r // rows_per_page] * rows_per_page + r % rows_per_page."""
+    rows_per_page = out.rows_per_page
+    for b in range(kv.shape[0]):
+        slot, pos = int(seq_slot[b]), int(positions[b])
+        pooled = pool_windows(kv[b : b + 1], score[b : b + 1], positions[b : b + 1], kv_state[slot],
+                              score_state[slot], ape, ratio)  # fmt: skip
+        if len(pooled):
+            row = (pos + 1) // ratio - 1
+            rows = finish_rows(pooled, row, ratio, norm_weight, eps, inv_freq, for_indexer, quant_sim, torch.float32)
+            physical = page_table[b, row // rows_per_page].long() * rows_per_page + row % rows_per_page
+            out.write(physical.view(1), rows)
+
+
+@triton.jit
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1.0, r)
+
+
+@triton.jit
+def _fp4_round(x):
+    """Nearest e2m1 value (ties to the even code) of |x| <= 6, sign kept."""
+    mag = tl.abs(x)
+    q = tl.where(mag < 2.0, _round_half_even(mag * 2.0) * 0.5,
+                 tl.where(mag < 4.0, _round_half_even(mag), _round_half_even(mag * 0.5) * 2.0))  # fmt: skip
+    q = tl.minimum(q, 6.0)
+    return tl.where(x < 0, -q, q)
+
+
+@triton.jit
+def _compressor_step_kernel(
+    kv_ptr, score_ptr, ape_ptr, norm_ptr, inv_freq_ptr, kv_state_ptr, score_state_ptr, slot_ptr, pos_ptr,
+    pt_ptr, out_ptr, scale_out_ptr, hadamard_ptr, pooled_ptr,
+    stride_in, stride_state_slot, stride_ptb, eps,
+    RATIO: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr, ROWS_PER_PAGE: tl.constexpr,
+    FOR_INDEXER: tl.constexpr, QUANT_SIM: tl.constexpr, FP8_OUT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    OVERLAP: tl.constexpr = RATIO == 4
+    COFF: tl.constexpr = 2 if OVERLAP else 1
+    C: tl.constexpr = COFF * DIM
+    BASE: tl.constexpr = RATIO if OVERLAP else 0
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b)
+    j = pos % RATIO
+    state_kv = kv_state_ptr + slot * stride_state_slot
+    state_score = score_state_ptr + slot * stride_state_slot
+    c = tl.arange(0, C)
+    tl.store(state_kv + (BASE + j) * C + c, tl.load(kv_ptr + b * stride_in + c))
+    tl.store(state_score + (BASE + j) * C + c, tl.load(score_ptr + b * stride_in + c) + tl.load(ape_ptr + j * C + c))
+    if (pos + 1) % RATIO == 0:
+        tl.debug_barrier()  # the stores above are read back below by other threads
+        # Pool per feature over the window's slots: overlapping windows take the previous window's first half.
+        w = tl.arange(0, COFF * RATIO)
+        for f0 in range(0, DIM, BD):
+            f = f0 + tl.arange(0, BD)
+            if OVERLAP:
+                col = tl.where(w[:, None] < RATIO, f[None, :], DIM + f[None, :])
+            else:
+                col = f[None, :] + 0 * w[:, None]
+            wkv = tl.load(state_kv + w[:, None] * C + col)
+            ws = tl.load(state_score + w[:, None] * C + col)
+            top = tl.max(ws, axis=0)
+            e = tl.exp(ws - top[None, :])
+            tl.store(pooled_ptr + b * DIM + f, tl.sum(wkv * e, axis=0) / tl.sum(e, axis=0))
+        tl.debug_barrier()
+        d = tl.arange(0, DIM)
+        x = tl.load(pooled_ptr + b * DIM + d)
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / DIM + eps) * tl.load(norm_ptr + d)
+        # RoPE on the last ROPE channels, interleaved pairs, at the window's first position.
+        row = (pos + 1) // RATIO - 1
+        even, odd = tl.split(tl.reshape(x, (DIM // 2, 2)))
+        pair = tl.arange(0, DIM // 2)
+        is_rope = pair >= (DIM - ROPE) // 2
+        freq = tl.load(inv_freq_ptr + pair - (DIM - ROPE) // 2, mask=is_rope, other=0.0)
+        angle = (row * RATIO).to(tl.float32) * freq
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        x = tl.reshape(tl.join(tl.where(is_rope, even * cos - odd * sin, even),
+                               tl.where(is_rope, even * sin + odd * cos, odd)), (DIM,))  # fmt: skip
+        page = tl.load(pt_ptr + b * stride_ptb + row // ROWS_PER_PAGE).to(tl.int64)
+        r = row % ROWS_PER_PAGE
+        if FOR_INDEXER:
+            if QUANT_SIM:  # Hadamard rotation (orthonormal), then FP4 per 32 with a power-of-two scale
+                h = tl.load(hadamard_ptr + d[:, None] * DIM + d[None, :])
+                x = tl.sum(x[:, None] * h, axis=0)
+                blocks = tl.reshape(x, (DIM // 32, 32))
+                scale = pow2_ceil(tl.max(tl.abs(blocks), axis=1) / 6.0)
+                x = tl.reshape(_fp4_round(blocks / scale[:, None]) * scale[:, None], (DIM,))
+            if FP8_OUT:  # 128 e4m3 values per row, then the row's fp32 scale after the page's values
+                row_scale = pow2_ceil(tl.max(tl.abs(x), axis=0) / 448.0)
+                values = (x / row_scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+                tl.store(out_ptr + page * (ROWS_PER_PAGE * (DIM + 4)) + r * DIM + d, values)
+                tl.store(scale_out_ptr + page * (ROWS_PER_PAGE * (DIM + 4) // 4) + ROWS_PER_PAGE * DIM // 4 + r,
+                         row_scale)  # fmt: skip
+            else:
+                tl.store(out_ptr + (page * ROWS_PER_PAGE + r) * DIM + d, x.to(out_ptr.dtype.element_ty))
+        else:
+            NOPE: tl.constexpr = DIM - ROPE
+            nope_blocks = tl.reshape(x, (DIM // 64, 64))
+            nb = tl.arange(0, DIM // 64)
+            exponent = tl.where(nb < NOPE // 64, ceil_log2(tl.max(tl.abs(nope_blocks), axis=1) / 448.0), 0)
+            scale = pow2(exponent)
+            if QUANT_SIM or FP8_OUT:  # the nope channels on the e4m3 grid of their block's scale
+                q8 = (nope_blocks / scale[:, None]).to(tl.float8e4nv)
+                rounded = tl.reshape(q8.to(tl.float32) * scale[:, None], (DIM,))
+                x = tl.where(d < NOPE, rounded, x)
+            if FP8_OUT:  # the 584-byte row: 448 e4m3, 64 bf16, then the page's scale bytes
+                data_bytes = NOPE + 2 * ROPE
+                page_base = out_ptr + page * (ROWS_PER_PAGE * (data_bytes + 8))
+                codes = tl.reshape(q8.to(tl.uint8, bitcast=True), (DIM,))
+                tl.store(page_base + r * data_bytes + d, codes, mask=d < NOPE)
+                rope_ptr = (page_base + r * data_bytes + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+                tl.store(rope_ptr + (d - NOPE), x.to(tl.bfloat16), mask=d >= NOPE)
+                exps = (exponent + 127).to(tl.uint8)
+                tl.store(page_base + ROWS_PER_PAGE * data_bytes + r * 8 + nb, exps, mask=nb < NOPE // 64)
+            else:
+                tl.store(out_ptr + (page * ROWS_PER_PAGE + r) * DIM + d, x.to(out_ptr.dtype.element_ty))
+        if OVERLAP:  # the current window becomes the previous one
+            tl.debug_barrier()
+            for k in range(RATIO):
+                tl.store(state_kv + k * C + c, tl.load(state_kv + (RATIO + k) * C + c))
+                tl.store(state_score + k * C + c, tl.load(state_score + (RATIO + k) * C + c))
+
+
+def compressor_decode_step_triton(
+    kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
+    out: MainRows | IndexKeys, ratio: int, for_indexer: bool, quant_sim: bool,
+):  # fmt: skip
+    batch, dim = kv.shape[0], norm_weight.shape[0]
+    fp8 = out.storage.dtype == torch.uint8
+    hadamard = _hadamard_matrix(dim, kv.device) if for_indexer and quant_sim else kv
+    scales = out.storage.view(torch.float32) if for_indexer and fp8 else out.storage
+    pooled = torch.empty(batch, dim, device=kv.device, dtype=torch.float32)
+    _compressor_step_kernel[(batch,)](
+        kv, score, ape, norm_weight, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
+        out.storage, scales, hadamard, pooled, kv.stride(0), kv_state.stride(0), page_table.stride(0), eps,
+        RATIO=ratio, DIM=dim, ROPE=2 * inv_freq.shape[0], ROWS_PER_PAGE=out.rows_per_page, FOR_INDEXER=for_indexer,
+        QUANT_SIM=quant_sim, FP8_OUT=fp8, BD=min(dim, 64),
+    )  # fmt: skip
+
+
+def compressor_decode_step(
+    kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
+    out: MainRows | IndexKeys, ratio: int, for_indexer: bool, quant_sim: bool,
+):  # fmt: skip
+    impl = compressor_decode_step_triton if use_triton(kv.device) else compressor_decode_step_reference
+    return impl(kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
+                out, ratio, for_indexer, quant_sim)  # fmt: skip
+
+
+def _hadamard_matrix(n: int, device) -> torch.Tensor:
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * n**-0.5).contiguous()
