@@ -1,52 +1,81 @@
-"""The one engine configuration. Every field is a `python -m engine serve` flag and appears in /server_info."""
+"""The one engine configuration. Every field is a `python -m engine serve` flag (its help is the field's `help`) and
+appears in /server_info as applied."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+# Rows in the model's own dtype are what "auto" gives on the CPU, for exact results there.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def _field(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    served_model_name: str | None = None
-    # "auto": bfloat16 on CUDA, float32 on CPU (where bf16 matmuls are slow and parity wants fp32).
-    dtype: str = "auto"
-    device: str = "auto"
-    # None: the checkpoint's max_position_embeddings.
-    context_length: int | None = None
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 16
-    gpu_memory_utilization: float = 0.90
-    kv_cache_dtype: str = "auto"
-    cuda_graph_max_bs: int = 16
-    tensor_parallel_size: int = 1
-    # Raw tokens per KV page: 256 tokens <-> 64 c4 rows <-> 2 c128 rows.
-    page_size: int = 256
-    # Simulate the official checkpoint's FP8/FP4 rounding (KV nope dims, indexer q/k with Hadamard), as the
-    # official inference code does. False reproduces transformers, which omits it.
-    quant_sim: bool = True
-    seed: int = 0
-    host: str = "127.0.0.1"
-    port: int = 30000
+    model: str = field(metadata={"help": "the checkpoint directory (Hugging Face or official layout)"})
+    served_model_name: str | None = _field(
+        None, "the model id clients send and /v1/models lists (default: the model directory's name)"
+    )
+    dtype: str = _field("auto", f"weights and activations, one of {DTYPES}; auto = bfloat16 on CUDA, float32 on CPU")
+    device: str = _field("auto", f"one of {DEVICES}; auto = CUDA when visible")
+    context_length: int | None = _field(
+        None, "the longest request, prompt plus output (default: the checkpoint's max_position_embeddings)"
+    )
+    max_num_batched_tokens: int = _field(8192, "tokens one step may run: decode tokens first, then prefill chunks")
+    max_num_seqs: int = _field(16, "requests running at once")
+    gpu_memory_utilization: float = _field(0.90, "fraction of the GPU's memory the engine may take, KV pool included")
+    kv_cache_dtype: str = _field("auto", f"one of {KV_CACHE_DTYPES}; auto = fp8_e4m3 on CUDA, the model's dtype on CPU")
+    num_kv_pages: int | None = _field(
+        None,
+        "KV pool size in pages (default: sized from GPU memory on CUDA; max_num_seqs full-context requests on CPU)",
+    )
+    cuda_graph_max_bs: int | None = _field(
+        None, "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 16)"
+    )
+    tensor_parallel_size: int = _field(1, "GPUs per model replica (only 1 until tensor parallelism exists)")
+    page_size: int = _field(256, "raw tokens per KV page: 256 tokens <-> 64 c4 rows <-> 2 c128 rows (only 256)")
+    max_waiting_requests: int = _field(256, "requests that may wait for a running slot; beyond that HTTP 429")
+    request_timeout_s: float | None = _field(
+        None,
+        "seconds a request may take from arrival to its last token; then it ends with what it has (default: no limit)",
+    )
+    shutdown_grace_s: float = _field(30.0, "after SIGTERM, seconds in-flight requests get to finish before abort")
+    # The official checkpoint's FP8/FP4 rounding of KV nope dims and indexer q/k, as its inference code does;
+    # False reproduces transformers, which omits it.
+    quant_sim: bool = _field(True, "simulate the official FP8/FP4 activation rounding (off = transformers' math)")
+    seed: int = _field(0, "the engine's base random seed")
+    host: str = _field("127.0.0.1", "address the HTTP server binds to")
+    port: int = _field(30000, "port the HTTP server binds to")
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs is None and isinstance(self.max_num_seqs, int):
+            self.cuda_graph_max_bs = min(16, self.max_num_seqs)
         for name in (
             "max_num_batched_tokens",
             "max_num_seqs",
             "cuda_graph_max_bs",
             "tensor_parallel_size",
             "page_size",
+            "max_waiting_requests",
+            "port",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.context_length is not None and self.context_length < 1:
-            raise ValueError(f"context_length must be a positive integer, got {self.context_length!r}")
+        for name in ("context_length", "num_kv_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 seconds, got {self.request_timeout_s!r}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -63,8 +92,10 @@ class EngineConfig:
             raise ValueError(
                 f"cuda_graph_max_bs ({self.cuda_graph_max_bs}) must be <= max_num_seqs ({self.max_num_seqs})"
             )
-        if self.page_size % 128:
-            raise ValueError(f"page_size must be a multiple of 128 (the c128 compression ratio), got {self.page_size}")
+        if self.page_size != 256:  # the kernels read 64 c4 rows (index keys, main rows) and 2 c128 rows a page
+            raise ValueError(
+                f"page_size must be 256 (64 c4 rows a page, as the kernels read them), got {self.page_size}"
+            )
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1: tensor parallelism is not implemented yet")
 

@@ -3,8 +3,11 @@ and the HTTP server are both thin loops over it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
@@ -14,9 +17,14 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.tokenizer import Tokenizer
 
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
 
 @dataclass
 class RequestOutput:
+    """What one step did for one request. `text`, `token_ids` and `logprobs` are the request's so far; the lists
+    are shared with the engine (not copied every step), so read them once the request has finished."""
+
     request_id: str
     prompt_token_ids: list[int]
     text: str
@@ -25,6 +33,7 @@ class RequestOutput:
     finish_reason: str | None
     new_text: str = ""  # what this step added to `text`
     new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -32,7 +41,7 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self.model_args = ModelArgs.from_model_dir(config.model)
         self.context_length = config.context_length or self.model_args.max_position_embeddings
@@ -42,9 +51,29 @@ class LLMEngine:
                 f"{self.model_args.max_position_embeddings}"
             )
         self.tokenizer = Tokenizer.from_model_dir(config.model)
-        self.runner = ModelRunner(config, progress)
-        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(config, self.context_length)
+        self.scheduler = Scheduler(config, self.runner.pool, self.runner.release)
+        # One request alone must always fit the pool, so no request grows past it (see scheduler.py).
+        self.max_request_tokens = min(self.context_length, self.kv_capacity_tokens)
         self.sequences: dict[str, Sequence] = {}
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.scheduler.pool.capacity_tokens
+
+    @property
+    def applied_config(self) -> EngineConfig:
+        """The configuration with every default resolved to what the engine runs with."""
+        runner = self.runner
+        return dataclasses.replace(
+            self.config,
+            served_model_name=self.config.served_model_name or Path(self.config.model).name,
+            dtype=DTYPE_NAMES[runner.dtype],
+            device=runner.device.type,
+            context_length=self.context_length,
+            kv_cache_dtype=runner.kv_cache_dtype,
+            num_kv_pages=runner.pool.num_pages,
+        )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         ids = self.tokenizer.encode(prompt, add_bos=True) if isinstance(prompt, str) else list(prompt)
@@ -52,6 +81,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.context_length:
             raise ValueError(f"the prompt has {len(ids)} tokens; context_length is {self.context_length}")
+        if len(ids) >= self.kv_capacity_tokens:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {self.kv_capacity_tokens}")
         seq = Sequence(ids, params, self.tokenizer.detokenizer())
         if request_id is not None:
             seq.request_id = request_id
@@ -73,12 +104,15 @@ class LLMEngine:
                 outputs.append(self._append(item.seq, *result))
         return outputs
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """End a request now and free its pages; its final output (with `reason`), or None if it was not in flight."""
         seq = self.sequences.pop(request_id, None)
-        if seq is not None and not seq.finished:
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
-            self.scheduler.finish(seq, "abort")
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, reason)
+        seq.text += seq.detokenizer.flush()
+        sent, seq.num_text_sent = seq.num_text_sent, len(seq.text)
+        return self._output(seq, reason, seq.text[sent:], ())
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         params = seq.params
@@ -93,20 +127,34 @@ class LLMEngine:
         elif stop := next((s for s in params.stop if s in seq.text[max(0, before - len(s) + 1) :]), None):
             seq.text = seq.text[: seq.text.index(stop, max(0, before - len(stop) + 1))]
             reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.context_length:
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
             reason = "length"
         if reason is not None:
             if not params.stop or not any(s in seq.text for s in params.stop):
                 seq.text += seq.detokenizer.flush()  # the last bytes of a cut character, if any
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
+        # A delta never holds text that a stop string may still cut away, so streamed text equals the final text.
+        sent = seq.num_text_sent
+        seq.num_text_sent = max(sent, len(seq.text) - (0 if reason else _stop_prefix_length(seq.text, params.stop)))
+        output = self._output(seq, reason, seq.text[sent : seq.num_text_sent], (token,))
+        output.new_logprobs = (logprob,) if logprob is not None else ()
+        return output
+
+    @staticmethod
+    def _output(seq: Sequence, reason: str | None, new_text: str, new_token_ids: tuple[int, ...]) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_ids,
             text=seq.text,
-            token_ids=list(seq.output_ids),
-            logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+            token_ids=seq.output_ids,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             finish_reason=reason,
-            new_text=seq.text[before:],
-            new_token_ids=(token,),
+            new_text=new_text,
+            new_token_ids=new_token_ids,
         )
+
+
+def _stop_prefix_length(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string."""
+    return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)

@@ -1,15 +1,24 @@
-"""Which requests run in the next step, and how many of their tokens.
+"""Which requests run in the next step, how many of their tokens, and which KV pages they hold.
 
-Decode first (one token for every running request whose prompt is done), then prefill chunks within the step's
-token budget (`max_num_batched_tokens`), admitting waiting requests while fewer than `max_num_seqs` run.
+Three limits shape a step: `max_num_seqs` requests run at once; `max_num_batched_tokens` tokens run per step, one
+for every decoding request first, then prefill chunks in arrival order; and the page pool, where every running
+request holds the pages of the tokens it has processed. A waiting request is admitted only when the pages of its
+whole remaining prompt are free, so admission never pushes out a running request. When a running request needs a
+page and none is free, the youngest running request is preempted by recompute: its pages and model state are
+dropped and it goes back to the front of the waiting queue, keeping its output; on re-admission its prompt and
+output are prefilled again and it goes on exactly where it was. The oldest request therefore always progresses: the
+engine caps every request at the pool's capacity, so one request alone always fits.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.cache.pool import PagePool
 from engine.config import EngineConfig
+from engine.model.state import SequenceState
 from engine.sequence import Sequence, Status
 
 
@@ -25,11 +34,14 @@ class ScheduledWork:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, pool: PagePool, release: Callable[[SequenceState], None]):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.pool = pool
+        self.release = release  # gives a request's model state (its cache slot) back
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the last is the youngest
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -38,24 +50,29 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledWork]:
+        work: list[ScheduledWork] = []
         budget = self.max_num_batched_tokens
-        work = []
-        decoding = [s for s in self.running if s.num_pending == 1 and s.num_computed >= len(s.prompt_ids)]
-        for seq in decoding[:budget]:
-            work.append(ScheduledWork(seq, 1))
-        budget -= len(work)
-        prefilling = [s for s in self.running if s not in decoding]
-        for seq in prefilling:
-            if budget == 0:
-                break
-            n = min(seq.num_pending, budget)
-            work.append(ScheduledWork(seq, n))
-            budget -= n
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            # A prefill chunk leaves room for the decode tokens of the requests behind it, which come first.
+            decodes_behind = 0 if seq.decoding else sum(s.decoding for s in self.running[i + 1 :])
+            n = min(seq.num_pending, budget - decodes_behind)
+            if n > 0:
+                if not self._hold_pages(seq, seq.num_computed + n):
+                    break  # it was the youngest and went back to waiting; nobody runs behind it
+                work.append(ScheduledWork(seq, n))
+                budget -= n
+            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if seq.page_table.pages_needed(seq.num_tokens, self.pool.page_size) > self.pool.num_free:
+                break
+            self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_pending, budget)
+            seq.page_table.grow(self.pool, seq.num_computed + n)
             work.append(ScheduledWork(seq, n))
             budget -= n
         return work
@@ -64,4 +81,30 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
-        seq.state = None  # the request's KV state is released at once
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._drop_state(seq)  # the request's KV is released at once
+
+    def _hold_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` the pages for `num_tokens`, preempting the youngest running requests while the pool is short;
+        False when `seq` itself had to go."""
+        while seq.page_table.pages_needed(num_tokens, self.pool.page_size) > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.page_table.grow(self.pool, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_state(seq)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _drop_state(self, seq: Sequence) -> None:
+        if seq.state is not None:
+            self.release(seq.state)
+            seq.state = None
+        seq.page_table.release(self.pool)

@@ -1,4 +1,5 @@
-"""One request as the engine tracks it: tokens so far, how far the model has processed them, and its state."""
+"""One request as the engine tracks it: tokens so far, how far the model has processed them, its model state and
+the KV pages it holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.pool import PageTable
 from engine.model.state import SequenceState
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
@@ -37,10 +39,13 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str = ""
+    num_text_sent: int = 0  # characters of `text` already handed out as deltas
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_computed: int = 0  # tokens the model has processed
     state: SequenceState | None = None
+    # The pages of the tokens processed so far, shared with `state`: what the model's paged cache indexes.
+    page_table: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
@@ -59,6 +64,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens not yet run through the model: the rest of the prompt, or the last sampled token."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """The whole prompt (and every output but the last sampled token) has been processed."""
+        return self.num_pending == 1 and self.num_computed >= len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:

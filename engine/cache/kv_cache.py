@@ -122,3 +122,70 @@ class IndexKeys:
         page, row = slots.long() // self.ROWS, slots.long() % self.ROWS
         keys = self.values[page, row].float()
         return keys * self.scales[page, row][:, None] if self.fp8 else keys
+
+
+class LayerKV:
+    """One layer's share of the cache: the window rings (one page of `window` rows per request slot), the compressed
+    rows and index keys in pages, and the compressors' unfinished windows per request slot."""
+
+    def __init__(self, ratio: int, num_pages: int, num_slots: int, args, page_size: int, kv_dtype: str, device):
+        self.ratio = ratio
+        dim, rope = args.head_dim, args.qk_rope_head_dim
+        self.ring = MainRows(num_slots, args.sliding_window, dim, rope, kv_dtype, device)
+        self.comp = MainRows(num_pages, page_size // ratio, dim, rope, kv_dtype, device) if ratio else None
+        self.index = IndexKeys(num_pages, args.index_head_dim, kv_dtype, device) if ratio == 4 else None
+        coff = 2 if ratio == 4 else 1
+        self.comp_state = _compressor_buffers(num_slots, ratio, coff * dim, device) if ratio else None
+        self.index_state = _compressor_buffers(num_slots, 4, 2 * args.index_head_dim, device) if ratio == 4 else None
+
+    def comp_state_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.comp_state[0][slot], self.comp_state[1][slot]
+
+    def index_state_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.index_state[0][slot], self.index_state[1][slot]
+
+    def reset_slot(self, slot: int) -> None:
+        """A new request in `slot`: its unfinished windows are empty (zero projections, -inf scores)."""
+        for state in (self.comp_state, self.index_state):
+            if state is not None:
+                state[0][slot].zero_()
+                state[1][slot].fill_(float("-inf"))
+
+
+def _compressor_buffers(num_slots: int, ratio: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    coff = 2 if ratio == 4 else 1
+    kv = torch.zeros(num_slots, coff * ratio, width, device=device)
+    return kv, torch.full_like(kv, float("-inf"))
+
+
+class ModelKVCache:
+    """Every layer's KV storage for up to `num_slots` running requests over a shared pool of pages. Requests hold
+    pages through their PageTable (engine/cache/pool.py) and a window-ring slot from here."""
+
+    def __init__(self, args, pool, num_slots: int, kv_dtype: str, device):
+        self.pool, self.num_slots, self.kv_dtype = pool, num_slots, kv_dtype
+        self.layers = [
+            LayerKV(ratio, pool.num_pages, num_slots, args, pool.page_size, kv_dtype, device)
+            for ratio in args.compress_ratios
+        ]
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+
+    def take_slot(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.num_slots} request slots are in use")
+        slot = self._free_slots.pop()
+        for layer in self.layers:
+            layer.reset_slot(slot)
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    @property
+    def bytes(self) -> int:
+        tensors = []
+        for layer in self.layers:
+            tensors += [layer.ring.storage, *(t.storage for t in (layer.comp, layer.index) if t is not None)]
+            for state in (layer.comp_state, layer.index_state):
+                tensors += list(state or ())
+        return sum(t.numel() * t.element_size() for t in tensors)

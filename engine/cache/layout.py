@@ -20,7 +20,7 @@ FP8_SCALE_BLOCK = 64
 @dataclass(frozen=True)
 class KVLayout:
     page_size: int
-    kv_dtype: str  # "bfloat16" | "fp8_e4m3"
+    kv_dtype: str  # "fp8_e4m3", or a float dtype name whose rows keep every channel at that width
     head_dim: int
     rope_dim: int
     index_head_dim: int
@@ -52,11 +52,15 @@ class KVLayout:
             nope = self.head_dim - self.rope_dim
             raw = nope + 2 * self.rope_dim + nope // FP8_SCALE_BLOCK
             return -(-raw // 8) * 8  # padded to 8 bytes: 583 -> 584 for V4-Flash
-        return 2 * self.head_dim
+        return self._element_bytes * self.head_dim
 
     @property
     def index_row_bytes(self) -> int:
-        return self.index_head_dim + 4 if self.kv_dtype == "fp8_e4m3" else 2 * self.index_head_dim
+        return self.index_head_dim + 4 if self.kv_dtype == "fp8_e4m3" else self._element_bytes * self.index_head_dim
+
+    @property
+    def _element_bytes(self) -> int:
+        return {"bfloat16": 2, "float16": 2, "float32": 4}[self.kv_dtype]
 
     @property
     def bytes_per_page(self) -> int:

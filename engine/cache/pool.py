@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 class OutOfPages(RuntimeError):
     """The pool cannot hand out the pages asked for; the scheduler preempts or waits."""
@@ -55,7 +57,9 @@ class PageTable:
         pool.free(self.pages)
         self.pages = []
 
-    def c4_slot(self, row: int, page_size: int) -> int:
-        """Physical slot of c4 row `row` in a [num_pages * page_size/4] row array."""
-        rows_per_page = page_size // 4
-        return self.pages[row // rows_per_page] * rows_per_page + row % rows_per_page
+    def slots(self, start: int, end: int, rows_per_page: int, device=None) -> torch.Tensor:
+        """Physical slots of rows [start, end) of a kind that keeps `rows_per_page` rows a page (64 c4 rows, 2 c128
+        rows): row r lives in page pages[r // rows_per_page]."""
+        rows = torch.arange(start, end, device=device)
+        pages = torch.tensor(self.pages, dtype=torch.long, device=device)
+        return pages[rows // rows_per_page] * rows_per_page + rows % rows_per_page

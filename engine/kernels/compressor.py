@@ -45,8 +45,11 @@ def pool_windows(
     left = kv.shape[0] - usable
     width = kv.shape[1]
     dim = width // (2 if overlap else 1)
+    if n_win == 0:
+        kv_state[base : base + left], score_state[base : base + left] = kv, score
+        return kv.new_empty(0, dim)
     windows_kv, windows_score = kv[:usable].view(n_win, ratio, width), score[:usable].view(n_win, ratio, width)
-    if overlap and n_win:
+    if overlap:
         prev_kv = torch.cat([kv_state[None, :ratio, :dim], windows_kv[:-1, :, :dim]])
         prev_score = torch.cat([score_state[None, :ratio, :dim], windows_score[:-1, :, :dim]])
         kv_state[:ratio], score_state[:ratio] = windows_kv[-1], windows_score[-1]

@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.compressor import finish_rows, pool_windows
+from engine.cache.kv_cache import LayerKV
+from engine.kernels.compressor import compressor_decode_step, finish_rows, pool_windows
+from engine.kernels.indexer import indexer_logits
 from engine.kernels.quant import simulate_index_fp4, simulate_kv_row_fp8
-from engine.kernels.sparse_attention import attend_with_sink
+from engine.kernels.sparse_attention import attend_with_sink, sparse_decode_attention
+from engine.kernels.topk import topk_slots
 from engine.model.args import ModelArgs
 from engine.model.layers import RMSNorm, Rotary, rms_normalize
-from engine.model.state import CompressorState, ForwardBatch, LayerState
+from engine.model.state import ForwardBatch
 
 
 class Compressor(nn.Module):
@@ -43,13 +46,17 @@ class Compressor(nn.Module):
         xf = x.float()
         return self.wkv(xf), self.wgate(xf)
 
-    def update(self, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor, state: CompressorState) -> None:
-        """Feed one request's next tokens; append a row to `state.rows` for every window they close."""
-        pooled = pool_windows(kv, score, positions, state.kv, state.score, self.ape, self.ratio)
-        if len(pooled):
-            rows = finish_rows(pooled, state.rows.shape[0], self.ratio, self.norm.weight, self.norm.eps,
-                               self.rotary.inv_freq, self.for_indexer, self.quant_sim, state.rows.dtype)  # fmt: skip
-            state.rows = torch.cat([state.rows, rows])
+    def compress(self, kv, score, positions: torch.Tensor, state, first_row: int, dtype: torch.dtype):
+        """Prefill path: one request's next tokens; the rows of the windows they close (dense, [n, dim])."""
+        pooled = pool_windows(kv, score, positions, state[0], state[1], self.ape, self.ratio)
+        return finish_rows(pooled, first_row, self.ratio, self.norm.weight, self.norm.eps, self.rotary.inv_freq,
+                           self.for_indexer, self.quant_sim, dtype)  # fmt: skip
+
+    def decode_step(self, kv, score, batch: ForwardBatch, state, out) -> None:
+        """Decode path: one token per request; closed windows' rows go straight into the paged cache."""
+        compressor_decode_step(kv, score, self.ape, self.norm.weight, self.norm.eps, self.rotary.inv_freq, state[0],
+                               state[1], batch.slots, batch.positions_i32, batch.page_table, out, self.ratio,
+                               self.for_indexer, self.quant_sim)  # fmt: skip
 
 
 class Indexer(nn.Module):
@@ -110,6 +117,7 @@ class Attention(nn.Module):
             else None
         )
         self.indexer = Indexer(args, self.rotary, quant_sim) if self.ratio == 4 else None
+        self.kv: LayerKV | None = None  # this layer's share of the paged cache, given by allocate_kv_cache
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         pos = batch.positions
@@ -119,45 +127,83 @@ class Attention(nn.Module):
         kv = self.rotary(self.kv_norm(self.wkv(x)), pos)
         if self.quant_sim:
             kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
-        if self.compressor is not None:
-            ckv, cscore = self.compressor.project(x)
+        proj = {"comp": self.compressor.project(x)} if self.compressor is not None else {}
         if self.indexer is not None:
-            iq, iw = self.indexer.queries(x, qr, pos)
-            ikv, iscore = self.indexer.compressor.project(x)
-
-        out = torch.empty(q.shape, dtype=torch.float32, device=x.device)
-        for i, seq in enumerate(batch.states):
-            rows, layer = batch.rows(i), seq.layers[self.layer_id]
-            p = pos[rows]
-            keys, allowed = self._window(kv[rows], p, layer)
-            if self.compressor is not None:
-                self.compressor.update(ckv[rows], cscore[rows], p, layer.compressor)
-                compressed = layer.compressor.rows
-                if self.indexer is not None:
-                    self.indexer.compressor.update(ikv[rows], iscore[rows], p, layer.indexer)
-                    picked = self.indexer.select(iq[rows], iw[rows], p, layer.indexer.rows)
-                    chosen = _rows_mask(picked, compressed.shape[0])
-                else:  # c128: every row whose window has closed
-                    ids = torch.arange(compressed.shape[0], device=x.device)
-                    chosen = ids[None, :] < ((p + 1) // self.ratio)[:, None]
-                keys = torch.cat([keys, compressed])
-                allowed = torch.cat([allowed, chosen], dim=1)
-            out[rows] = attend_with_sink(q[rows], keys, allowed, self.attn_sink, self.scale)
-
+            proj["index"] = self.indexer.compressor.project(x)
+            proj["query"] = self.indexer.queries(x, qr, pos)
+        if batch.decoding:
+            out = self._decode(q, kv, proj, batch)
+        else:
+            parts = []
+            for i, seq in enumerate(batch.states):
+                r = batch.rows(i)
+                parts.append(self._prefill(q[r], kv[r], {k: (a[r], b[r]) for k, (a, b) in proj.items()}, pos[r], seq))
+            out = torch.cat(parts)
         o = self.rotary(out.to(x.dtype), pos, inverse=True)  # values carried RoPE: rotate back to the query
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         return self.wo_b(torch.einsum("ngd,grd->ngr", o, wo_a).flatten(1))
 
-    def _window(
-        self, kv: torch.Tensor, positions: torch.Tensor, layer: LayerState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys of the sliding window for these tokens, and which each query may see: [t - window + 1, t]."""
-        keys = torch.cat([layer.window, kv])
-        key_pos = torch.arange(keys.shape[0], device=kv.device) + (positions[0] - layer.window.shape[0])
+    def _prefill(self, q, kv, proj, positions, seq) -> torch.Tensor:
+        """Any number of one request's tokens, on dense copies of what the cache holds for it (the reference path)."""
+        cache, table, slot, p0 = self.kv, seq.table, seq.slot, int(positions[0])
+        rows_per_ring = self.window
+        # The window keys before this chunk, read before the chunk overwrites their ring slots.
+        prev = torch.arange(max(0, p0 - self.window + 1), p0, device=q.device)
+        keys = torch.cat([cache.ring.read(slot * rows_per_ring + prev % rows_per_ring).to(kv.dtype), kv])
+        key_pos = torch.cat([prev, positions])
         delta = positions[:, None] - key_pos[None, :]
-        layer.window = keys[keys.shape[0] - min(keys.shape[0], self.window - 1) :]
-        return keys, (delta >= 0) & (delta < self.window)
+        allowed = (delta >= 0) & (delta < self.window)
+        tail = positions[-min(len(positions), self.window) :]
+        cache.ring.write(slot * rows_per_ring + tail % rows_per_ring, kv[-len(tail) :])
+        if self.compressor is not None:
+            n_old = p0 // self.ratio
+            new_rows = self.compressor.compress(*proj["comp"], positions, cache.comp_state_of(slot), n_old, kv.dtype)
+            n = n_old + len(new_rows)
+            cache.comp.write(table.slots(n_old, n, cache.comp.rows_per_page, q.device), new_rows)
+            compressed = cache.comp.read(table.slots(0, n, cache.comp.rows_per_page, q.device)).to(kv.dtype)
+            if self.indexer is not None:
+                new_keys = self.indexer.compressor.compress(*proj["index"], positions, cache.index_state_of(slot),
+                                                            n_old, kv.dtype)  # fmt: skip
+                cache.index.write(table.slots(n_old, n, 64, q.device), new_keys)
+                index_keys = cache.index.read(table.slots(0, n, 64, q.device)).to(kv.dtype)
+                chosen = _rows_mask(self.indexer.select(*proj["query"], positions, index_keys), n)
+            else:  # c128: every row whose window has closed
+                chosen = torch.arange(n, device=q.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
+            keys = torch.cat([keys, compressed])
+            allowed = torch.cat([allowed, chosen], dim=1)
+        return attend_with_sink(q, keys, allowed, self.attn_sink, self.scale)
+
+    def _decode(self, q, kv, proj, batch: ForwardBatch) -> torch.Tensor:
+        """One token per request, batched, through the kernels (Triton on CUDA, the references elsewhere)."""
+        cache = self.kv
+        positions = batch.positions_i32
+        cache.ring.write(batch.slots.long() * self.window + batch.positions % self.window, kv)
+        comp_rows, rows_per_page = cache.ring.storage, self.window
+        comp_slots = torch.full((len(positions), 1), -1, dtype=torch.int32, device=q.device)
+        comp_len = torch.zeros_like(positions)
+        if self.compressor is not None:
+            self.compressor.decode_step(*proj["comp"], batch, cache.comp_state, cache.comp)
+            comp_rows, rows_per_page = cache.comp.storage, cache.comp.rows_per_page
+            visible = (positions + 1) // self.ratio
+            if self.indexer is not None:
+                self.indexer.compressor.decode_step(*proj["index"], batch, cache.index_state, cache.index)
+                iq, iw = proj["query"]
+                logits = torch.empty(len(positions), batch.page_table.shape[1] * 64, device=q.device)
+                indexer_logits(iq, iw, cache.index.values, cache.index.scales, batch.page_table, visible, logits)
+                comp_slots = torch.empty(len(positions), self.indexer.topk, dtype=torch.int32, device=q.device)
+                topk_slots(logits, visible, batch.page_table, self.indexer.topk, comp_slots)
+                comp_len = visible.clamp(max=self.indexer.topk)
+            else:  # c128: every closed window's row, in order
+                rows = torch.arange(batch.page_table.shape[1] * rows_per_page, device=q.device)
+                pages = batch.page_table[:, rows // rows_per_page].long()
+                comp_slots = torch.where(rows[None, :] < visible[:, None], pages * rows_per_page + rows % rows_per_page,
+                                         -1).int()  # fmt: skip
+                comp_len = visible
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        return sparse_decode_attention(q, self.attn_sink, self.scale, cache.ring.storage, batch.slots, positions,
+                                       comp_rows, rows_per_page, comp_slots, comp_len, out, self.window,
+                                       self.rotary.rope_dim)  # fmt: skip
 
 
 def _rows_mask(picked: torch.Tensor, n: int) -> torch.Tensor:

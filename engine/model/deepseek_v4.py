@@ -8,12 +8,14 @@ import re
 import torch
 from torch import nn
 
+from engine.cache.kv_cache import ModelKVCache
+from engine.cache.pool import PagePool, PageTable
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.layers import RMSNorm
 from engine.model.mhc import HyperConnection, HyperHead
 from engine.model.moe import MoE
-from engine.model.state import CompressorState, ForwardBatch, LayerState, SequenceState
+from engine.model.state import ForwardBatch, SequenceState
 
 # Parameters the reference keeps in fp32 whatever the model dtype: mixing weights, sinks, position biases,
 # routing biases, norm weights, and the compressors' projections (pooled in fp32).
@@ -67,6 +69,7 @@ class DeepseekV4(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         n = args.num_hidden_layers
         self.mtp = nn.ModuleList(MTPLayer(args, n + j, quant_sim) for j in range(args.num_nextn_predict_layers))
+        self.kv_cache: ModelKVCache | None = None
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4:
         """Cast to `dtype`, leaving the parameters the reference keeps in fp32."""
@@ -79,25 +82,47 @@ class DeepseekV4(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def new_state(self) -> SequenceState:
-        args, device, dtype = self.args, self.embed.weight.device, self.dtype
-        layers = []
-        for ratio in args.compress_ratios:
-            layer = LayerState(window=torch.empty(0, args.head_dim, device=device, dtype=dtype))
-            if ratio:
-                layer.compressor = CompressorState.empty(ratio, args.head_dim, device, dtype)
-            if ratio == 4:
-                layer.indexer = CompressorState.empty(4, args.index_head_dim, device, dtype)
-            layers.append(layer)
-        return SequenceState(layers=layers)
+    def allocate_kv_cache(self, pool: PagePool, num_slots: int, kv_dtype: str = "auto") -> ModelKVCache:
+        """Give every layer its share of a cache over `pool`'s pages for up to `num_slots` running requests.
+        kv_dtype "auto": FP8 rows on CUDA, the model's own dtype elsewhere (exact on the CPU)."""
+        device = self.embed.weight.device
+        if kv_dtype == "auto":
+            kv_dtype = "fp8_e4m3" if device.type == "cuda" else str(self.dtype).removeprefix("torch.")
+        self.kv_cache = ModelKVCache(self.args, pool, num_slots, kv_dtype, device)
+        blocks = [*self.layers, *self.mtp]
+        for block, layer_kv in zip(blocks, self.kv_cache.layers, strict=True):
+            block.attn.kv = layer_kv
+        return self.kv_cache
+
+    def new_state(self, table: PageTable | None = None) -> SequenceState:
+        """A new request: a window-ring slot of the cache, and `table` (a fresh one when None) for its pages."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() first: requests keep their KV rows in the paged cache")
+        return SequenceState(slot=self.kv_cache.take_slot(), table=table if table is not None else PageTable())
+
+    def release_state(self, state: SequenceState) -> None:
+        """The request is done (or preempted): its slot and pages go back at once."""
+        self.kv_cache.free_slot(state.slot)
+        state.table.release(self.kv_cache.pool)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch's tokens through every layer; returns the residual streams [N, hc, D] and advances each
         request's state."""
-        for seq, start in zip(batch.states, batch.starts, strict=True):
+        device = batch.input_ids.device
+        for seq, start, n in zip(batch.states, batch.starts, batch.lens, strict=True):
             first = int(batch.positions[start])
             if first != seq.num_tokens:
                 raise ValueError(f"request continues at position {first} but has processed {seq.num_tokens} tokens")
+            seq.table.grow(self.kv_cache.pool, first + n)  # raises OutOfPages: the scheduler preempts first
+        width = max(len(seq.table.pages) for seq in batch.states)
+        table = torch.zeros(len(batch.states), width, dtype=torch.int32)
+        for i, seq in enumerate(batch.states):
+            table[i, : len(seq.table.pages)] = torch.tensor(seq.table.pages, dtype=torch.int32)
+        batch.page_table = table.to(device)
+        batch.slots = torch.tensor([seq.slot for seq in batch.states], dtype=torch.int32, device=device)
+        batch.decoding = all(n == 1 for n in batch.lens)
+        if batch.decoding:
+            batch.positions_i32 = batch.positions.int()
         h = self.embed(batch.input_ids)
         streams = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()
         for layer in self.layers:

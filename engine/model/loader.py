@@ -84,7 +84,9 @@ def load_model(
     if args.num_nextn_predict_layers and not any(name.startswith("mtp.") for name in shards.where):
         # transformers drops MTP tensors when it saves; such a checkpoint serves without MTP.
         log.info("mtp_absent", model=str(model_dir))
-        args = dataclasses.replace(args, num_nextn_predict_layers=0)
+        args = dataclasses.replace(
+            args, num_nextn_predict_layers=0, compress_ratios=args.compress_ratios[: args.num_hidden_layers]
+        )
     with torch.device(device):
         model = DeepseekV4(args, quant_sim=quant_sim).cast(dtype)
     targets = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.cache.pool import PagePool
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
 from engine.tools.make_tiny import make_tiny
@@ -21,17 +22,27 @@ def prompt_ids():
     return torch.randint(2, 1024, (330,), generator=torch.Generator().manual_seed(7))
 
 
+def load_with_cache(model_dir, pages: int = 64, slots: int = 8, **kwargs):
+    """The model with a paged KV cache of its own (the serving runtime sizes it from memory instead)."""
+    model = load_model(model_dir, **kwargs)
+    model.allocate_kv_cache(PagePool(pages, 256), slots)
+    return model
+
+
 def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
     state = model.new_state()
-    with torch.no_grad():
-        return model.logits(model(ForwardBatch(ids, torch.arange(len(ids)), [state], [len(ids)])))
+    try:
+        with torch.no_grad():
+            return model.logits(model(ForwardBatch(ids, torch.arange(len(ids)), [state], [len(ids)])))
+    finally:
+        model.release_state(state)
 
 
 @pytest.fixture(scope="session")
 def fp32_model(tiny_dir):
-    return load_model(tiny_dir, dtype=torch.float32, quant_sim=False)
+    return load_with_cache(tiny_dir, dtype=torch.float32, quant_sim=False)
 
 
 @pytest.fixture(scope="session")
 def fp32_model_quant_sim(tiny_dir):
-    return load_model(tiny_dir, dtype=torch.float32, quant_sim=True)
+    return load_with_cache(tiny_dir, dtype=torch.float32, quant_sim=True)

@@ -15,7 +15,7 @@ from engine.model.checkpoint_names import internal_to_official, routed_expert_pa
 from engine.model.loader import CheckpointError, load_model
 from engine.tools.convert_official import FP4_EXPERTS, FP8_LINEARS, convert
 from engine.tools.make_tiny import official_state_dict
-from tests.engine.conftest import prefill_logits
+from tests.engine.conftest import load_with_cache, prefill_logits
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def test_official_layout_uses_the_official_names_dtypes_and_scales(official_dir)
 
 
 def test_official_fp8_fp4_checkpoint_loads_as_the_dequantised_weights(tiny_dir, official_dir, prompt_ids):
-    original = load_model(tiny_dir, dtype=torch.float32, quant_sim=False)
-    quantised = load_model(official_dir, dtype=torch.float32, quant_sim=False)
+    original = load_with_cache(tiny_dir, dtype=torch.float32, quant_sim=False)
+    quantised = load_with_cache(official_dir, dtype=torch.float32, quant_sim=False)
     reference = official_state_dict(original)
     stored = load_file(official_dir / "model.safetensors")
     loaded = dict(quantised.named_parameters())
@@ -69,9 +69,9 @@ def test_transformers_default_save_layout_loads(tiny_dir, tmp_path, prompt_ids):
     names = load_file(tmp_path / "model.safetensors").keys()
     assert "lm_head.weight" in names and "model.layers.2.attn.wq_a.weight" in names
     assert "model.layers.2.attn.compressor.indexer.scorer.weights_proj.weight" in names
-    model = load_model(tmp_path, dtype=torch.float32, quant_sim=False)
+    model = load_with_cache(tmp_path, dtype=torch.float32, quant_sim=False)
     assert len(model.mtp) == 0
-    reference = load_model(tiny_dir, dtype=torch.float32, quant_sim=False)
+    reference = load_with_cache(tiny_dir, dtype=torch.float32, quant_sim=False)
     assert torch.equal(prefill_logits(model, prompt_ids[:64]), prefill_logits(reference, prompt_ids[:64]))
 
 

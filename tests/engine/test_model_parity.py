@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from engine.kernels.quant import E2M1_VALUES
-from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
-from tests.engine.conftest import prefill_logits
+from tests.engine.conftest import load_with_cache, prefill_logits
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +32,20 @@ def test_quant_sim_is_the_official_behaviour_and_differs_from_transformers(fp32_
     ours = prefill_logits(fp32_model_quant_sim, prompt_ids)
     # FP4 rounding of index queries/keys moves the top-8 selection, so the difference is not small on random weights.
     assert torch.isfinite(ours).all() and (ours - hf_logits).abs().max().item() > 1e-3
-    state = fp32_model_quant_sim.new_state()
+    model = fp32_model_quant_sim
+    state = model.new_state()
     with torch.no_grad():
-        fp32_model_quant_sim(ForwardBatch(prompt_ids, torch.arange(330), [state], [330]))
-    c4 = state.layers[2]
+        model(ForwardBatch(prompt_ids, torch.arange(330), [state], [330]))
+    c4 = model.kv_cache.layers[2]  # what the cache holds for a c4 layer
+    window = c4.ring.read(state.slot * 16 + torch.arange(16))
+    index_rows = c4.index.read(state.table.slots(0, 330 // 4, 64))
+    model.release_state(state)
     # KV rows: nope channels on the e4m3 grid of their 64-wide block's power-of-two scale.
-    nope = c4.window[:, :64]
+    nope = window[:, :64]
     scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True) / 448)))
     assert torch.equal((nope / scale).to(torch.float8_e4m3fn).float() * scale, nope)
     # Indexer keys: FP4 (e2m1) values per 32-wide block after the Hadamard rotation.
-    keys = c4.indexer.rows.unflatten(-1, (-1, 32))
+    keys = index_rows.unflatten(-1, (-1, 32))
     scale = torch.exp2(torch.ceil(torch.log2(keys.abs().amax(-1, keepdim=True) / 6)))
     assert torch.isin((keys / scale).abs(), E2M1_VALUES).all()
 
@@ -52,6 +55,7 @@ def _incremental_logits(model, ids, cuts):
     with torch.no_grad():
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             outs.append(model.logits(model(ForwardBatch(ids[a:b], torch.arange(a, b), [state], [b - a]))))
+    model.release_state(state)
     return torch.cat(outs)
 
 
@@ -60,7 +64,7 @@ def test_chunked_prefill_and_decode_give_the_prefill_logits(tiny_dir, fp32_model
     # With quant_sim the model rounds to coarse FP4/FP8 grids, where an fp32 difference in the last bit between a
     # chunked and a one-shot matmul can flip one rounding and, through the top-k, move later logits. float64 makes
     # such flips vanishingly rare, so the state bookkeeping itself is checked exactly.
-    model = load_model(tiny_dir, dtype=torch.float64, quant_sim=True) if quant_sim else fp32_model
+    model = load_with_cache(tiny_dir, dtype=torch.float64, quant_sim=True) if quant_sim else fp32_model
     full = prefill_logits(model, prompt_ids)
     # Chunks that end mid-window, on and off c4 / c128 boundaries, then one token at a time across (pos+1)%128==0.
     cuts = [0, 37, 127, 128, 130, 200, *range(201, 331)]
@@ -76,6 +80,8 @@ def test_batched_requests_of_different_lengths_give_what_each_gives_alone(fp32_m
     with torch.no_grad():
         batch = ForwardBatch(torch.cat([a, b]), torch.cat([torch.arange(330), torch.arange(150)]), states, [330, 150])
         both = fp32_model.logits(fp32_model(batch))
+    for state in states:
+        fp32_model.release_state(state)
     assert (both[:330] - alone_a).abs().max().item() <= 1e-4
     assert (both[330:] - alone_b).abs().max().item() <= 1e-4
 
@@ -96,6 +102,7 @@ def test_greedy_decode_prefill_then_decode_equals_token_by_token(fp32_model_quan
                 out.append(token)
                 pos = torch.tensor([300 + step])
                 logits = model.logits(model(ForwardBatch(torch.tensor([token]), pos, [state], [1])))[-1]
+        model.release_state(state)
         return out
 
     assert greedy(True) == greedy(False)
@@ -109,9 +116,27 @@ def test_mtp_layer_loads_and_its_incremental_run_matches_prefill(fp32_model, pro
     with torch.no_grad():
         batch = ForwardBatch(ids, torch.arange(200), [state], [200])
         full = model.mtp_logits(model(batch), nxt, batch)
+        model.release_state(state)
         state, outs = model.new_state(), []
         for a, b in [(0, 130), *[(i, i + 1) for i in range(130, 200)]]:
             step = ForwardBatch(ids[a:b], torch.arange(a, b), [state], [b - a])
             outs.append(model.mtp_logits(model(step), nxt[a:b], step))
+    model.release_state(state)
     assert full.shape == (200, 1024) and torch.isfinite(full).all()
+    assert (torch.cat(outs) - full).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_decode_through_the_triton_kernels_gives_the_prefill_logits(fp32_model, prompt_ids, monkeypatch):
+    """The decode path's Triton kernels (interpreted on the CPU) inside the model: indexer, top-k, compressor step,
+    sparse attention. Decoding across c4 boundaries and the (pos+1) % 128 == 0 position gives the prefill logits."""
+    model, ids = fp32_model, prompt_ids[:262]
+    full = prefill_logits(model, ids)
+    monkeypatch.setenv("FLASHGATE_KERNELS", "triton")
+    state, outs = model.new_state(), []
+    with torch.no_grad():
+        outs.append(model.logits(model(ForwardBatch(ids[:250], torch.arange(250), [state], [250]))))
+        for i in range(250, 262):
+            outs.append(model.logits(model(ForwardBatch(ids[i : i + 1], torch.tensor([i]), [state], [1]))))
+    model.release_state(state)
     assert (torch.cat(outs) - full).abs().max().item() <= 1e-4

@@ -37,6 +37,6 @@ def test_pool_hands_out_pages_and_counts_capacity_from_them():
     with pytest.raises(OutOfPages, match="3 pages asked, 2 free of 4"):
         other.grow(pool, 700)
     assert other.pages == [] and pool.num_free == 2
-    assert table.c4_slot(70, 256) == 1 * 64 + 6  # row 70 is in the second page
+    assert table.slots(69, 71, 64).tolist() == [1 * 64 + 5, 1 * 64 + 6]  # c4 rows 69, 70 are in the second page
     table.release(pool)
     assert pool.num_free == 4 and table.pages == []

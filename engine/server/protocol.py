@@ -1,0 +1,272 @@
+"""OpenAI-compatible requests in: body checks, prompt tokens, sampling parameters and the context limits, with
+OpenAI-shaped errors that name the field and the limit.
+
+Unknown fields are accepted and ignored (clients send many: `store`, `metadata`, `parallel_tool_calls`, …).
+Known fields this engine cannot honour with a non-default value (`n` > 1, `echo`, `best_of`, `suffix`) are
+refused rather than silently ignored. `tool_choice` and `response_format` belong to the agent API (issue #7):
+accepted and not acted on yet.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from engine.server.chat_encoding import ChatEncodingError, encode_messages
+from engine.tokenizer import Tokenizer
+
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-shaped body: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What every request is checked against."""
+
+    served_model_name: str
+    context_length: int
+    kv_capacity_tokens: int
+    vocab_size: int
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    warning: str | None  # a `Warning` header value when max_tokens was clamped
+    thinking: bool = False  # chat: the completion starts with reasoning
+    tools_offered: bool = False  # chat: DSML tool calls are parsed out of the completion
+
+
+def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
+    _check_model(body, limits)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty array of messages", "messages", "missing_required_parameter")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("tools must be an array of tools", "tools")
+    thinking, effort = _thinking(body)
+    if tools:
+        messages = _declare_tools(messages, tools)
+    try:
+        text = encode_messages(messages, "thinking" if thinking else "chat", reasoning_effort=effort)
+    except ChatEncodingError as error:
+        raise invalid(str(error), error.where) from error
+    logprobs = _optional(body, "logprobs", bool)
+    top = _optional(body, "top_logprobs", int)
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise invalid(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    prompt_ids = tokenizer.encode(text)  # the encoder wrote BOS as text; it encodes to its one id
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    request = _generation(body, prompt_ids, "messages", max_tokens_field, (top or 0) if logprobs else None, limits)
+    request.thinking, request.tools_offered = thinking, bool(tools)
+    return request
+
+
+def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
+    _check_model(body, limits)
+    for name, default in (("echo", False), ("suffix", None)):
+        if body.get(name, default) not in (default, None):
+            raise invalid(f"{name} is not supported", name, "unsupported_parameter")
+    if (best_of := _optional(body, "best_of", int)) not in (None, 1):
+        raise invalid(f"best_of must be 1, got {best_of}", "best_of", "unsupported_parameter")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        prompt_ids = tokenizer.encode(prompt, add_bos=True)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise invalid(
+                f"prompt[{bad}] = {prompt[bad]} is not a token id (vocabulary of {limits.vocab_size})", "prompt"
+            )
+        prompt_ids = list(prompt)
+    else:
+        raise invalid(
+            "prompt must be a non-empty string or array of token ids (one prompt per request)",
+            "prompt",
+            "missing_required_parameter" if prompt is None else "invalid_value",
+        )
+    logprobs = _optional(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    return _generation(body, prompt_ids, "prompt", "max_tokens", logprobs, limits)
+
+
+def _generation(
+    body: Mapping[str, Any],
+    prompt_ids: list[int],
+    prompt_field: str,
+    max_tokens_field: str,
+    logprobs: int | None,
+    limits: Limits,
+) -> GenerationRequest:
+    if (n := _optional(body, "n", int)) not in (None, 1):
+        raise invalid(f"n must be 1, got {n}: one choice per request", "n", "unsupported_parameter")
+    stream = bool(_optional(body, "stream", bool))
+    options = _optional(body, "stream_options", dict) or {}
+    include_usage = bool(_optional(options, "include_usage", bool, "stream_options.include_usage"))
+    max_tokens, warning = fit_max_tokens(
+        len(prompt_ids), _optional(body, max_tokens_field, int), prompt_field, max_tokens_field, limits
+    )
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise invalid("stop must be a non-empty string or an array of them", "stop")
+    top_k = _optional(body, "top_k", int)
+    try:
+        params = SamplingParams(
+            temperature=float(_optional(body, "temperature", float, default=1.0)),
+            top_p=float(_optional(body, "top_p", float, default=1.0)),
+            top_k=0 if top_k in (None, -1) else top_k,  # -1 is vLLM's "off"
+            max_tokens=max_tokens,
+            stop=stop or [],
+            stop_token_ids=_token_ids(body, "stop_token_ids", limits),
+            ignore_eos=bool(_optional(body, "ignore_eos", bool)),
+            seed=_optional(body, "seed", int),
+            logprobs=logprobs,
+        )
+    except ValueError as error:  # its messages start with the field's name
+        raise invalid(str(error), str(error).split()[0]) from error
+    return GenerationRequest(prompt_ids, params, stream, include_usage, warning)
+
+
+def fit_max_tokens(
+    prompt_len: int, requested: int | None, prompt_field: str, max_tokens_field: str, limits: Limits
+) -> tuple[int, str | None]:
+    """The output budget: the room the context (and the KV pool) leaves after the prompt. A prompt that alone
+    fills it is refused; a larger request is clamped, and the returned warning says so."""
+    context = limits.context_length
+    if prompt_len >= context:
+        raise invalid(
+            f"the prompt has {prompt_len} tokens, which reaches context_length {context}: "
+            f"at most {context - 1} prompt tokens leave room for an answer",
+            prompt_field,
+            "context_length_exceeded",
+        )
+    capacity = limits.kv_capacity_tokens
+    if prompt_len >= capacity:
+        raise invalid(
+            f"the prompt has {prompt_len} tokens; the KV pool holds {capacity} tokens (kv_capacity_tokens)",
+            prompt_field,
+            "context_length_exceeded",
+        )
+    if requested is not None and requested < 1:
+        raise invalid(f"{max_tokens_field} must be >= 1, got {requested}", max_tokens_field)
+    room = min(context, capacity) - prompt_len
+    if requested is None or requested <= room:
+        return requested or room, None
+    limit = f"context_length is {context}" if context <= capacity else f"the KV pool holds {capacity} tokens"
+    return (
+        room,
+        f'299 - "{max_tokens_field} {requested} clamped to {room}: the prompt has {prompt_len} tokens and {limit}"',
+    )
+
+
+def _check_model(body: Any, limits: Limits) -> None:
+    if not isinstance(body, Mapping):
+        raise invalid("the request body must be a JSON object", None, "invalid_request_body")
+    model = body.get("model")
+    if model is not None and model != limits.served_model_name:
+        message = f"model {model!r} is not served here; this server serves {limits.served_model_name!r}"
+        raise ApiError(404, message, "model", "model_not_found")
+
+
+def _thinking(body: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """Thinking is off unless `reasoning_effort`, `chat_template_kwargs.thinking` / `.enable_thinking` or a top-level
+    `enable_thinking` asks for it. Flags that contradict each other or `reasoning_effort` are refused, since
+    silently picking one is how thinking controls become no-ops."""
+    kwargs = _optional(body, "chat_template_kwargs", dict) or {}
+    flags = {f"chat_template_kwargs.{n}": _optional(kwargs, n, bool, f"chat_template_kwargs.{n}") for n in _FLAGS}
+    flags["enable_thinking"] = _optional(body, "enable_thinking", bool)
+    given = {where: value for where, value in flags.items() if value is not None}
+    if len(set(given.values())) > 1:
+        raise invalid(f"thinking flags disagree: {given}", next(iter(given)))
+    effort = _optional(body, "reasoning_effort", str)
+    if effort == "none":
+        return bool(given) and next(iter(given.values())), None
+    if not given:
+        return effort is not None, effort
+    where, on = next(iter(given.items()))
+    if not on and effort is not None:
+        raise invalid(f"reasoning_effort {effort!r} asks for thinking but {where} is false", "reasoning_effort")
+    return on, effort
+
+
+_FLAGS = ("thinking", "enable_thinking")
+
+
+def _declare_tools(messages: list[Any], tools: list[Any]) -> list[Any]:
+    """The request's tools go on the first system or developer message, as the encoder expects (an empty system
+    message is added when there is none)."""
+    messages = list(messages)
+    first = messages[0]
+    if isinstance(first, Mapping) and first.get("role") in ("system", "developer"):
+        messages[0] = {**copy.copy(first), "tools": tools}
+    else:
+        messages.insert(0, {"role": "system", "content": "", "tools": tools})
+    return messages
+
+
+def _token_ids(body: Mapping[str, Any], name: str, limits: Limits) -> list[int]:
+    ids = body.get(name) or []
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in ids
+    ):
+        raise invalid(f"{name} must be an array of token ids below {limits.vocab_size}", name)
+    return ids
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}
+
+
+def _optional(body: Mapping[str, Any], name: str, kind: type, where: str | None = None, default: Any = None) -> Any:
+    """`body[name]` if present and not null, checked to be of `kind` (an int is a number; a bool is neither)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind in (int, float):
+        ok = isinstance(value, int if kind is int else int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        where = where or name
+        raise invalid(f"{where} must be {_TYPE_NAMES[kind]}, got {value!r}", where, "invalid_type")
+    return value

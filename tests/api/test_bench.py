@@ -1,0 +1,28 @@
+"""bench/serve.py, the serving benchmark meant for the H200, keeps working: its CPU smoke run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_serving_benchmark_smoke_run(tmp_path):
+    out = tmp_path / "smoke.json"
+    done = subprocess.run(
+        [sys.executable, "bench/serve.py", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "output tok/s" in done.stdout and "TTFT ms" in done.stdout and "engine exited with 0" in done.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 8 and summary["failed"] == 0 and summary["output_tokens_per_s"] > 0
