@@ -21,18 +21,21 @@ $(DEV_STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -q -e '.[server,console,dev]'
 	@touch $@
 
-## run: the appliance on its embedded defaults (console on 127.0.0.1:8080, SQLite in ./data, CPU demo profile)
+## run: the appliance on its embedded defaults (console on 127.0.0.1:8080, SQLite in ./data, CPU demo profile),
+## through the container's entrypoint
 run: $(RUN_STAMP)
-	$(BIN)/python -m app
+	FLASHGATE_PYTHON=$(BIN)/python sh bin/flashgate console
 
 ## test: the whole suite, with per-marker time budgets and the slowest tests listed
 test: $(DEV_STAMP) browser-deps
 	$(BIN)/python -m pytest --durations=25
 
-## lint: formatting and lint, as CI checks them
+## lint: formatting and lint, as CI checks them; the Dockerfile and the entrypoint too (warnings fail)
 lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/hadolint --failure-threshold warning Dockerfile
+	$(BIN)/shellcheck bin/flashgate
 
 # Browser tests drive Debian's chromium (Playwright never downloads a browser of its own here).
 browser-deps:

@@ -15,7 +15,7 @@ SIGN_IN = "/signin"
 
 def safe_next(target: str | None) -> str:
     """Only a local path may follow sign-in, never another site."""
-    return target if target and target.startswith("/") and not target.startswith("//") else "/profiles"
+    return target if target and target.startswith("/") and not target.startswith("//") else "/dashboard"
 
 
 def redirect(request: HTMXRequest, target: str) -> Response:

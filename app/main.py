@@ -7,7 +7,7 @@ from pathlib import Path
 import structlog
 from litestar import Litestar, get
 from litestar.config.csrf import CSRFConfig
-from litestar.datastructures import State
+from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ServiceUnavailableException
 from litestar.openapi.config import OpenAPIConfig
@@ -29,12 +29,29 @@ from app.auth.pages import SignInController
 from app.auth.service import CSRF_SECRET, appliance_secret, bootstrap_admin
 from app.console import console_router
 from app.db import create_db_engine, migrate, session_provider
+from app.engine_control.checkpoint import TinyCheckpoint
+from app.engine_control.controller import EngineController
+from app.engine_control.docker_driver import DockerDriver
+from app.engine_control.driver import EngineDriver
+from app.engine_control.pages import DashboardPages
+from app.engine_control.process_driver import ProcessDriver
+from app.engine_control.supervisor import Supervisor
 from app.logging import RequestLogMiddleware
 from app.profiles.controller import ProfileController
 from app.profiles.pages import ProfilePages
 from app.profiles.service import ProfileService
-from app.promotion.controller import RouteController
+from app.promotion.controller import DecisionController, RouteController
+from app.promotion.pages import RoutePages
+from app.promotion.service import Promoter
+from app.qualification.controller import QualificationController
+from app.qualification.ladder import Qualifier
+from app.qualification.pages import QualificationPages
+from app.qualification.settings import load_qualification_settings
+from app.qualification.slot import EngineSlot
 from app.settings import Settings, load_settings
+from app.telemetry.controller import TelemetryController
+from app.telemetry.gpus import Gpus, NvmlGpus
+from app.telemetry.service import Telemetry
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES_DIR = ROOT / "console" / "templates"
 STATIC_DIR = ROOT / "console" / "static"
 SEED_DIR = ROOT / "profiles"
+BUILD_HEADER = "X-Flashgate-Build"
 
 
 def prepare_database(settings: Settings) -> tuple[Engine, str]:
@@ -64,14 +82,47 @@ def log_unexpected_error(exc: Exception, scope: Scope) -> None:
         log.error("unhandled_exception", path=scope.get("path"), exc_info=exc)
 
 
-def create_app(settings: Settings | None = None) -> Litestar:
+def make_driver(settings: Settings) -> EngineDriver:
+    return DockerDriver(settings) if settings.supervisor == "docker" else ProcessDriver(settings.engine_port)
+
+
+def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Litestar:
+    """The console. `gpus` is NVML unless a test hands in a stand-in behind the same interface."""
     settings = settings or load_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine, csrf_secret = prepare_database(settings)
+    gpus = gpus or NvmlGpus()
+    supervisor = Supervisor(settings, engine, make_driver(settings), gpus)
+    telemetry = Telemetry(gpus, supervisor.target, settings.telemetry_interval_s)
+    checkpoint = TinyCheckpoint(settings.models_dir, settings.engine_logs_dir, engine)
+    qualification = load_qualification_settings()
+    slot = EngineSlot(engine, supervisor, settings.engine_boot_timeout_s)
+    qualifier = Qualifier(settings, qualification, engine, slot, gpus)
+    promoter = Promoter(settings, qualification, engine, slot)
 
-    @get("/healthz", sync_to_thread=False, include_in_schema=False)
+    def start_background_work() -> None:
+        supervisor.recover()
+        qualifier.recover()
+        promoter.recover()
+        checkpoint.ensure(settings.make_tiny)
+        telemetry.start()
+
+    def stop_background_work() -> None:
+        # Runs and switches first: they stop between steps; then the engine goes with the console.
+        qualifier.shutdown()
+        promoter.shutdown()
+        supervisor.shutdown()
+        checkpoint.stop()
+        telemetry.stop()
+
+    @get(
+        "/healthz",
+        sync_to_thread=False,
+        include_in_schema=False,
+        response_headers=[ResponseHeader(name=BUILD_HEADER, value=settings.build)],
+    )
     def healthz() -> dict[str, str]:
-        """The process is up."""
+        """The process is up; the build it runs is in the X-Flashgate-Build header."""
         return {"status": "ok"}
 
     @get("/readyz", sync_to_thread=True, include_in_schema=False)
@@ -92,7 +143,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
             ProfileController,
             AuditController,
             RouteController,
-            console_router([SignInController, ProfilePages, AuditPages]),
+            DecisionController,
+            QualificationController,
+            EngineController,
+            TelemetryController,
+            console_router(
+                [SignInController, DashboardPages, ProfilePages, QualificationPages, RoutePages, AuditPages]
+            ),
             create_static_files_router(path="/static", directories=[STATIC_DIR], include_in_schema=False),
         ],
         dependencies={"db_session": Provide(session_provider(engine))},
@@ -113,8 +170,18 @@ def create_app(settings: Settings | None = None) -> Litestar:
             components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
             security=[{"bearer": []}],
         ),
-        state=State({"settings": settings}),
-        on_shutdown=[engine.dispose],
+        state=State(
+            {
+                "settings": settings,
+                "supervisor": supervisor,
+                "telemetry": telemetry,
+                "checkpoint": checkpoint,
+                "qualifier": qualifier,
+                "promoter": promoter,
+            }
+        ),
+        on_startup=[start_background_work],
+        on_shutdown=[stop_background_work, engine.dispose],
         # Our structlog setup (app/logging.py) handles every log line; Litestar's own config would replace it.
         logging_config=None,
         after_exception=[log_unexpected_error],

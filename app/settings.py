@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+SUPERVISORS = ("process", "docker")
 
 
 @dataclass(frozen=True)
@@ -17,10 +20,34 @@ class Settings:
     supervisor: str
     admin_token: str | None
     log_json: bool | None
+    # The engine's lifecycle: SIGTERM grace before a kill, how long a boot and a silent /health may take.
+    engine_grace_s: float
+    engine_boot_timeout_s: float
+    engine_health_timeout_s: float
+    # Engine logs are kept for this many of the latest starts.
+    log_retention: int
+    telemetry_interval_s: float
+    # Make the tiny CPU checkpoint on first start when FLASHGATE_MODELS_DIR/tiny is missing.
+    make_tiny: bool
+    # The docker driver: the socket proxy, the pre-created engine container, and its host name on the network.
+    docker_host: str
+    docker_container: str
+    docker_engine_host: str
+    # The build id the console shows (footer, /healthz header); the engine reports the same in /server_info.
+    build: str
 
     @property
     def database_path(self) -> Path:
         return self.data_dir / "flashgate.sqlite3"
+
+    @property
+    def engine_logs_dir(self) -> Path:
+        return self.data_dir / "engine-logs"
+
+    @property
+    def engine_handoff_path(self) -> Path:
+        """Where the docker driver hands the profile to the engine container's entrypoint (a shared volume)."""
+        return self.data_dir / "engine-profile.json"
 
 
 def _flag(value: str | None) -> bool | None:
@@ -29,11 +56,41 @@ def _flag(value: str | None) -> bool | None:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _positive(env: dict[str, str], name: str, default: str, kind: type[int] | type[float]) -> int | float:
+    raw = env.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive {'whole ' if kind is int else ''}number, got {raw!r}")
+    return value
+
+
+def build_id(env: dict[str, str]) -> str:
+    """FLASHGATE_BUILD (the image bakes it in: version+commit), else `git describe` of this checkout, else "dev":
+    the same rule as the engine's (engine/server/info.py), so both planes name the same build."""
+    if build := env.get("FLASHGATE_BUILD"):
+        return build
+    try:
+        described = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--tags"],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "dev"
+    return described.stdout.strip() or "dev"
+
+
 def load_settings(env: dict[str, str] | None = None) -> Settings:
     env = dict(os.environ if env is None else env)
     data_dir = Path(env.get("FLASHGATE_DATA_DIR", "./data")).resolve()
     supervisor = env.get("FLASHGATE_SUPERVISOR", "process")
-    if supervisor not in {"process", "docker"}:
+    if supervisor not in SUPERVISORS:
         raise ValueError(f"FLASHGATE_SUPERVISOR must be 'process' or 'docker', got {supervisor!r}")
     return Settings(
         data_dir=data_dir,
@@ -44,4 +101,14 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         supervisor=supervisor,
         admin_token=env.get("FLASHGATE_ADMIN_TOKEN") or None,
         log_json=_flag(env.get("FLASHGATE_LOG_JSON")),
+        engine_grace_s=_positive(env, "FLASHGATE_ENGINE_GRACE_S", "30", float),
+        engine_boot_timeout_s=_positive(env, "FLASHGATE_ENGINE_BOOT_TIMEOUT_S", "1800", float),
+        engine_health_timeout_s=_positive(env, "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S", "30", float),
+        log_retention=_positive(env, "FLASHGATE_LOG_RETENTION", "20", int),
+        telemetry_interval_s=_positive(env, "FLASHGATE_TELEMETRY_INTERVAL_S", "2", float),
+        make_tiny=_flag(env.get("FLASHGATE_MAKE_TINY")) is not False,
+        docker_host=env.get("FLASHGATE_DOCKER_HOST", "tcp://docker-proxy:2375"),
+        docker_container=env.get("FLASHGATE_DOCKER_CONTAINER", "flashgate-engine"),
+        docker_engine_host=env.get("FLASHGATE_DOCKER_ENGINE_HOST", "engine"),
+        build=build_id(env),
     )

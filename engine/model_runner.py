@@ -185,7 +185,9 @@ class ModelRunner:
         for item, samples in zip(work, sampling, strict=True):
             item.seq.num_computed += item.num_tokens
             if samples:
-                results.append(sample(logits[row], item.seq.params, item.seq.generator))
+                seq = item.seq
+                remaining = seq.params.max_tokens - len(seq.output_ids)
+                results.append(sample(logits[row], seq.params, seq.generator, remaining))
                 row += 1
             else:
                 results.append(None)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sampler import Constraint
 
 
 @dataclass
@@ -16,6 +20,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # None: none; N: the chosen token's logprob and the N most likely
+    # Structured output: a rule on which token may come next. It holds the request's state, so one per request.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

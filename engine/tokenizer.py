@@ -13,6 +13,14 @@ EOS_TOKEN = "<｜end▁of▁sentence｜>"
 _REPLACEMENT = "\ufffd"
 
 
+def byte_level_chars() -> list[str]:
+    """The byte-level (GPT-2) alphabet: the character that stands for each byte 0..255 in the vocabulary. Printable
+    bytes stand for themselves; the rest are shifted to U+0100 onwards in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(0x100, 0x200))
+    return [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)]
+
+
 class Tokenizer:
     """Text <-> token ids for one model. Special-token strings inside the text encode to their single ids."""
 
@@ -64,6 +72,24 @@ class Tokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes as decoding writes them, None for a control token (BOS, EOS, turn markers) that is never
+        text: what a grammar over the vocabulary needs. Markup tokens (``<think>``, ``｜DSML｜``) are text. Only a
+        byte-level vocabulary says this exactly, since a byte token may hold part of a character."""
+        if not isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel):
+            raise ValueError(f"token bytes need a byte-level tokenizer; this one decodes with {self._tok.decoder!r}")
+        byte_of = {char: byte for byte, char in enumerate(byte_level_chars())}
+        added = self._tok.get_added_tokens_decoder()
+        result: list[bytes | None] = []
+        for token_id in range(self.vocab_size):
+            if token_id in added:
+                token = added[token_id]
+                result.append(None if token.special else token.content.encode())
+            else:
+                piece = self._tok.id_to_token(token_id)  # None for an id the vocabulary skips
+                result.append(None if piece is None else bytes(byte_of[char] for char in piece))
+        return result
 
 
 class IncrementalDetokenizer:

@@ -9,7 +9,7 @@ from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, URLEncodedBody
 from litestar.plugins.htmx import HTMXRequest
-from litestar.response import Redirect, Template
+from litestar.response import Template
 from litestar.status_codes import HTTP_200_OK
 
 from app.auth.guards import requires_operator, requires_viewer
@@ -18,9 +18,13 @@ from app.errors import FieldError, InvalidFields
 from app.profiles.controller import provide_profile_service
 from app.profiles.schemas import DTYPES, KV_CACHE_DTYPES, SETTINGS, ProfileChildCreate, ProfileRead
 from app.profiles.service import ProfileService
+from app.promotion.models import PRODUCTION, Route
+from app.qualification import service as qualification
+from app.qualification.slot import live_engine
 
 INT_SETTINGS = {"context_length", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"}
 INT_SETTINGS |= {"tensor_parallel_size", "max_output_tokens"}
+RECENT_RUNS = 5
 
 
 def _form_values(profile: ProfileRead) -> dict[str, str]:
@@ -76,17 +80,24 @@ class ProfilePages(Controller):
     guards = [requires_viewer]
     dependencies = {"profiles": Provide(provide_profile_service, sync_to_thread=False)}
 
-    @get("/", sync_to_thread=False)
-    def home(self) -> Redirect:
-        return Redirect("/profiles")
-
     @get("/profiles", sync_to_thread=True)
     def list_page(self, profiles: NamedDependency[ProfileService]) -> Template:
         return Template("profiles/list.html", context={"profiles": profiles.read_all()})
 
     @get("/profiles/{name:str}", sync_to_thread=True)
     def detail_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:
-        return Template("profiles/detail.html", context={"profile": profiles.read_one(name)})
+        profile = profiles.read_one(name)
+        session = profiles.session
+        live = live_engine(session)
+        route = session.get(Route, PRODUCTION)
+        context = {
+            "profile": profile,
+            "runs": qualification.list_runs(session, profiles.get(name).id, profiles.models_dir, limit=RECENT_RUNS),
+            # What a run would stop (and restore afterwards).
+            "serving": live[1].name if live else None,
+            "serving_production": bool(live and route and route.production_id == live[1].id),
+        }
+        return Template("profiles/detail.html", context=context)
 
     @get("/profiles/{name:str}/child", guards=[requires_operator], sync_to_thread=True)
     def child_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:

@@ -122,6 +122,8 @@ class ProfileRead(ProfileSettings, kw_only=True):
     state: ProfileState
     diff: list[SettingChange]
     warnings: list[str]
+    # production, rollback, challenger, rejected (any that apply; none for a profile never qualified).
+    roles: list[str]
 
 
 def name_errors(name: str, field: str = "name") -> list[FieldError]:

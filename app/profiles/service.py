@@ -38,7 +38,8 @@ from app.profiles.schemas import (
     settings_diff,
     settings_errors,
 )
-from app.qualification.service import evidence_count
+from app.promotion.roles import roles_by_profile
+from app.qualification.evidence import evidence_count
 
 log = structlog.get_logger(__name__)
 
@@ -103,8 +104,11 @@ class ProfileService:
     def read_all(self) -> list[ProfileRead]:
         profiles = self.session.exec(select(Profile).order_by(col(Profile.retired), Profile.name)).all()
         by_id = {p.id: p for p in profiles}
+        roles = roles_by_profile(self.session)
         return [
-            self.read(p, by_id.get(p.parent_id), sorted(c.name for c in profiles if c.parent_id == p.id))
+            self.read(
+                p, by_id.get(p.parent_id), sorted(c.name for c in profiles if c.parent_id == p.id), roles.get(p.id, [])
+            )
             for p in profiles
         ]
 
@@ -112,9 +116,9 @@ class ProfileService:
         profile = self.get(name)
         parent = self.session.get(Profile, profile.parent_id) if profile.parent_id else None
         children = self.session.exec(select(Profile.name).where(Profile.parent_id == profile.id)).all()
-        return self.read(profile, parent, sorted(children))
+        return self.read(profile, parent, sorted(children), roles_by_profile(self.session).get(profile.id, []))
 
-    def read(self, profile: Profile, parent: Profile | None, children: list[str]) -> ProfileRead:
+    def read(self, profile: Profile, parent: Profile | None, children: list[str], roles: list[str]) -> ProfileRead:
         settings = settings_of(profile)
         files = inspect_model(self.models_dir, profile.model)
         evidence = evidence_count(self.session, profile.id)
@@ -143,6 +147,7 @@ class ProfileService:
             ),
             diff=diff,
             warnings=diff_warnings(diff),
+            roles=roles,
         )
 
     # Writing

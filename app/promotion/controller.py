@@ -1,29 +1,156 @@
-"""`/api/route/production`: which profile holds the production role. Promotion needs qualification evidence, which
-the qualification issue brings; until then nothing can hold the role and a promotion is refused with the reason."""
+"""`/api/route`: who holds the production and rollback roles, the switch transactions, and
+`/api/profiles/{name}/decisions`: an operator's decision on a run's evidence."""
 
 from __future__ import annotations
 
-from litestar import Controller, get, put
-from litestar.params import JSONBody
+from litestar import Controller, Request, Response, get, post, put
+from litestar.datastructures import State
+from litestar.di import NamedDependency, Provide
+from litestar.exceptions import NotFoundException
+from litestar.params import FromPath, JSONBody
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
+from sqlmodel import Session, col, select
 
 from app.auth.guards import requires_operator, requires_viewer
-from app.errors import Conflict
+from app.profiles.models import Profile
 from app.profiles.schemas import ProfileRead
-from app.promotion.schemas import PromotionRequest
+from app.profiles.service import ProfileService
+from app.promotion.models import Promotion, PromotionKind
+from app.promotion.schemas import (
+    DecisionCreate,
+    DecisionRead,
+    PlanRead,
+    PromotionRead,
+    PromotionRequest,
+    RollbackRequest,
+    RouteRead,
+)
+from app.promotion.service import Promoter, read_promotion, route_row
+from app.qualification.service import decisions_for
+
+
+def provide_promoter(state: State) -> Promoter:
+    return state.promoter
+
+
+PROMOTER = {"promoter": Provide(provide_promoter, sync_to_thread=False)}
+
+
+def get_promotion(session: Session, promotion_id: int) -> PromotionRead:
+    promotion = session.get(Promotion, promotion_id)
+    if promotion is None:
+        raise NotFoundException(f"no promotion with id {promotion_id}")
+    return read_promotion(session, promotion)
 
 
 class RouteController(Controller):
-    path = "/api/route/production"
+    path = "/api/route"
     tags = ["promotion"]
+    guards = [requires_viewer]
+    dependencies = PROMOTER
 
-    @get("/", guards=[requires_viewer], operation_id="getProductionProfile", sync_to_thread=False)
-    def production(self) -> ProfileRead | None:
+    @get("/", operation_id="getRoute", sync_to_thread=True)
+    def route(self, db_session: NamedDependency[Session], promoter: NamedDependency[Promoter]) -> RouteRead:
+        """Production, the rollback profile with whether it can start now, challengers, rejected profiles, the
+        switch running now and the latest ones."""
+        return promoter.route(db_session)
+
+    @get("/production", operation_id="getProductionProfile", sync_to_thread=True)
+    def production(
+        self, db_session: NamedDependency[Session], promoter: NamedDependency[Promoter]
+    ) -> ProfileRead | None:
         """The profile serving the agent route, or null when none has been promoted."""
-        return None
+        route = route_row(db_session)
+        if route is None or route.production_id is None:
+            return None
+        profiles = ProfileService(db_session, promoter.settings.models_dir)
+        return profiles.read_one(db_session.get(Profile, route.production_id).name)
 
-    @put("/", guards=[requires_operator], operation_id="promoteProfile", sync_to_thread=False)
-    def promote(self, data: JSONBody[PromotionRequest]) -> ProfileRead:
-        """Promote a profile to production (409 until promotion rules exist: qualification comes first)."""
-        raise Conflict(
-            f"cannot promote {data.profile!r}: promotion rules are not implemented yet: qualification is required"
-        )
+    @put("/production", guards=[requires_operator], operation_id="promoteProfile", sync_to_thread=True)
+    def promote(
+        self,
+        request: Request,
+        db_session: NamedDependency[Session],
+        promoter: NamedDependency[Promoter],
+        data: JSONBody[PromotionRequest],
+    ) -> Response[PromotionRead | PlanRead]:
+        """Switch production to an approved profile (a `promote` decision on a current run of its exact content):
+        drain and stop what serves, start it, wait for ready, smoke it, commit — or restore what served. Answers
+        202 with the switch to poll. With `dry_run: true`, 200 with the plan: what stops, what starts, the rollback
+        target and whether each can start now, and what would refuse it. 409 with the reason for an unqualified,
+        stale or unapproved target; 423 while a transaction runs."""
+        if data.dry_run:
+            profile = ProfileService(db_session, promoter.settings.models_dir).get(data.profile)
+            refusals = promoter.target_refusals(db_session, profile)
+            plan = promoter.plan(db_session, PromotionKind.promote, profile, refusals)
+            return Response(plan, status_code=HTTP_200_OK)
+        promotion_id = promoter.promote(request.user.name, data.profile, data.reason)
+        return Response(get_promotion(db_session, promotion_id), status_code=HTTP_202_ACCEPTED)
+
+    @post("/rollback", guards=[requires_operator], operation_id="rollBack", sync_to_thread=True)
+    def rollback(
+        self,
+        request: Request,
+        db_session: NamedDependency[Session],
+        promoter: NamedDependency[Promoter],
+        data: JSONBody[RollbackRequest],
+    ) -> Response[PromotionRead | PlanRead]:
+        """The same transaction back to the last known good (the rollback role); 202 with the switch, or 200 with
+        the plan for `dry_run: true`. 409 when there is no rollback profile or its evidence is stale; 423 while a
+        transaction runs."""
+        if data.dry_run:
+            profile = promoter.rollback_target(db_session)
+            refusals = promoter.target_refusals(db_session, profile)
+            plan = promoter.plan(db_session, PromotionKind.rollback, profile, refusals)
+            return Response(plan, status_code=HTTP_200_OK)
+        promotion_id = promoter.rollback(request.user.name, data.reason)
+        return Response(get_promotion(db_session, promotion_id), status_code=HTTP_202_ACCEPTED)
+
+    @get("/promotions", operation_id="listPromotions", sync_to_thread=True)
+    def promotions(self, db_session: NamedDependency[Session]) -> list[PromotionRead]:
+        """Every switch, newest first, with its steps."""
+        rows = db_session.exec(select(Promotion).order_by(col(Promotion.id).desc()).limit(100)).all()
+        return [read_promotion(db_session, p) for p in rows]
+
+    @get("/promotions/{promotion_id:int}", operation_id="getPromotion", sync_to_thread=True)
+    def promotion(self, db_session: NamedDependency[Session], promotion_id: FromPath[int]) -> PromotionRead:
+        """One switch: its steps (drain, stop, start, smoke, commit or restore), status, downtime and error."""
+        return get_promotion(db_session, promotion_id)
+
+
+class DecisionController(Controller):
+    path = "/api/profiles/{name:str}/decisions"
+    tags = ["promotion"]
+    guards = [requires_viewer]
+    dependencies = PROMOTER
+
+    @post(
+        "/",
+        guards=[requires_operator],
+        operation_id="decide",
+        status_code=HTTP_201_CREATED,
+        sync_to_thread=True,
+    )
+    def decide(
+        self,
+        request: Request,
+        db_session: NamedDependency[Session],
+        promoter: NamedDependency[Promoter],
+        name: FromPath[str],
+        data: JSONBody[DecisionCreate],
+    ) -> DecisionRead:
+        """Decide on a run (by default the profile's latest finished one): `promote`, `no_promotion` or `reject`,
+        with a `reason`. A promotion needs `confirm` to be the profile's name and a waiver (`gate`, `reason`) for
+        each failed gate, and starts the switch (`promotion` is its id). 422 naming the field; 409 for an
+        unqualified, stale or aborted run; 423 while a transaction runs."""
+        decision_id, _ = promoter.decide(request.user.name, name, data)
+        profile = ProfileService(db_session, promoter.settings.models_dir).get(name)
+        return next(d for d in decisions_for(db_session, profile.id) if d.id == decision_id)
+
+    @get("/", operation_id="listDecisions", sync_to_thread=True)
+    def decisions(
+        self, db_session: NamedDependency[Session], promoter: NamedDependency[Promoter], name: FromPath[str]
+    ) -> list[DecisionRead]:
+        """The profile's decisions, newest first, with their waivers."""
+        profile = ProfileService(db_session, promoter.settings.models_dir).get(name)
+        return decisions_for(db_session, profile.id)

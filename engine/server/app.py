@@ -1,4 +1,5 @@
-"""The HTTP API (Litestar): the OpenAI-compatible endpoints, /health, /server_info and /metrics.
+"""The HTTP API (Litestar): the OpenAI-compatible endpoints (chat completions, completions, the Responses API's
+stateless subset), /health, /server_info and /metrics.
 
 Generation requests are checked and tokenized off the event loop, then handed to the engine loop; a whole response
 waits for the request's last output, a stream sends each as server-sent events ending in `data: [DONE]`. A client
@@ -8,6 +9,7 @@ that goes away, mid-stream or while waiting, aborts its request at once, which f
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,9 +24,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.llm_engine import RequestOutput
 from engine.server.engine_loop import EngineLoop, RequestFailed, RequestStream
+from engine.server.grammar import Grammars
 from engine.server.metrics import Metrics
 from engine.server.protocol import ApiError, GenerationRequest, Limits, invalid, parse_chat, parse_completion
 from engine.server.responses import ChatFormatter, CompletionFormatter
+from engine.server.responses_api import ResponsesFormatter, parse_responses
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -43,6 +47,7 @@ class Served:
     max_waiting_requests: int
     server_info: dict[str, Any]
     models: dict[str, Any]
+    grammars: Grammars | None  # None: the tokenizer cannot be constrained (not byte-level)
     accepting: bool = True
 
 
@@ -77,7 +82,8 @@ def create_app(served: Served) -> Litestar:
     ) -> Response | Stream:
         check_admitting()
         body = await _json_body(request)
-        generation = await asyncio.to_thread(parse, body, served.tokenizer, limits)  # long prompts tokenize slowly
+        # Long prompts tokenize, and output grammars compile, slowly: off the event loop.
+        generation = await asyncio.to_thread(parse, body)
         if loop.num_waiting >= served.max_waiting_requests:
             raise ApiError(
                 429,
@@ -90,7 +96,7 @@ def create_app(served: Served) -> Litestar:
         stream = loop.submit(request_id, generation.prompt_ids, generation.params)
         fmt = formatter(request_id, limits.served_model_name, generation, served.tokenizer)
         if generation.stream:
-            events = _sse(stream, fmt, generation, loop)
+            events = _sse(stream, fmt, loop)
             return Stream(events, media_type="text/event-stream", headers=headers | {"Cache-Control": "no-cache"})
         output = await _final_output(stream, request, loop)
         if output.finish_reason == "timeout":
@@ -107,14 +113,21 @@ def create_app(served: Served) -> Litestar:
 
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Response | Stream:
-        return await generate(request, parse_chat, ChatFormatter, "chatcmpl")
+        parse = functools.partial(parse_chat, tokenizer=served.tokenizer, limits=limits, grammars=served.grammars)
+        return await generate(request, parse, ChatFormatter, "chatcmpl")
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response | Stream:
-        return await generate(request, parse_completion, CompletionFormatter, "cmpl")
+        parse = functools.partial(parse_completion, tokenizer=served.tokenizer, limits=limits)
+        return await generate(request, parse, CompletionFormatter, "cmpl")
+
+    @post("/v1/responses", status_code=200)
+    async def responses(request: Request) -> Response | Stream:
+        parse = functools.partial(parse_responses, tokenizer=served.tokenizer, limits=limits, grammars=served.grammars)
+        return await generate(request, parse, ResponsesFormatter, "resp")
 
     return Litestar(
-        route_handlers=[health, models, server_info, metrics, chat_completions, completions],
+        route_handlers=[health, models, server_info, metrics, chat_completions, completions, responses],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
@@ -162,26 +175,21 @@ async def _final_output(stream: RequestStream, request: Request, loop: EngineLoo
         raise ApiError(failure.status, failure.message, code="request_failed") from failure
 
 
-async def _sse(stream: RequestStream, fmt: Any, generation: GenerationRequest, loop: EngineLoop) -> AsyncIterator[str]:
+async def _sse(stream: RequestStream, fmt: Any, loop: EngineLoop) -> AsyncIterator[str]:
     try:
-        if isinstance(fmt, ChatFormatter):
-            yield _event(fmt.first_chunk())
+        for payload in fmt.opening():
+            yield fmt.sse(payload)
         async for output in stream:
-            for chunk in fmt.chunks(output):
-                yield _event(chunk)
-            if output.finished and generation.include_usage:
-                yield _event(fmt.usage_chunk(output))
-        yield "data: [DONE]\n\n"
+            for payload in fmt.events(output):
+                yield fmt.sse(payload)
     except RequestFailed as failure:
-        yield _event(ApiError(failure.status, failure.message, code="request_failed").body())
-        yield "data: [DONE]\n\n"
+        for payload in fmt.failed(failure.status, failure.message):
+            yield fmt.sse(payload)
     finally:
         if not stream.finished:  # the client went away mid-stream
             loop.abort(stream.request_id)
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    if closing := fmt.closing():
+        yield closing
 
 
 def _api_error(_: Request, error: ApiError) -> Response:

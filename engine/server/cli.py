@@ -27,7 +27,8 @@ from engine.llm_engine import LLMEngine
 from engine.logging import configure_logging
 from engine.server.app import Served, create_app
 from engine.server.engine_loop import EngineLoop
-from engine.server.info import build_id, models, ready_line, server_info
+from engine.server.grammar import Grammars
+from engine.server.info import build_id, capabilities, models, ready_line, server_info
 from engine.server.metrics import Metrics
 from engine.server.protocol import Limits
 
@@ -80,7 +81,9 @@ def serve(args: argparse.Namespace) -> int:
         config = EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
         sock = _bind(config.host, config.port)
         engine = LLMEngine(config)
-        info = server_info(engine, build_id())
+        grammars = _grammars(engine)
+        advertised = capabilities(engine, structured_output=grammars is not None)
+        info = server_info(engine, build_id(), advertised)
     except _BootStopped:
         log.info("boot_stopped", seconds=_since(started))
         return 0
@@ -112,7 +115,8 @@ def serve(args: argparse.Namespace) -> int:
         ),
         max_waiting_requests=config.max_waiting_requests,
         server_info=info,
-        models=models(engine),
+        models=models(engine, advertised),
+        grammars=grammars,
     )
     uvicorn_config = uvicorn.Config(
         create_app(served), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=ABORT_WAIT_S
@@ -130,6 +134,15 @@ def serve(args: argparse.Namespace) -> int:
         engine_loop.stop()
     log.info("engine_stopped", failed=server.failed)  # exiting gives the GPU's memory back
     return 1 if server.failed else 0
+
+
+def _grammars(engine: LLMEngine) -> Grammars | None:
+    """The output grammars' view of the vocabulary; without it the server answers unconstrained requests only."""
+    try:
+        return Grammars(engine.tokenizer, engine.model_args.vocab_size)
+    except ValueError as error:
+        log.warning("structured_output_unavailable", reason=str(error))
+        return None
 
 
 class _Server(uvicorn.Server):

@@ -1,5 +1,6 @@
 """What the engine reports about itself (DESIGN.md, "Engine ↔ console contract"): the ready line, /server_info and
-/v1/models, all from the same numbers."""
+/v1/models, all from the same numbers. Both /server_info (under `capabilities`) and each /v1/models entry carry
+what the API accepts, so that a client's configuration can be generated from them (docs/agent-api.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.server.chat_encoding import REASONING_EFFORT_LEVELS
+from engine.server.chat_encoding import REASONING_EFFORT_ALIASES, REASONING_EFFORT_LEVELS
 
 GIB = 1 << 30
 
@@ -34,7 +35,42 @@ def build_id() -> str:
     return described.stdout.strip() or "dev"
 
 
-def server_info(engine: LLMEngine, build: str) -> dict[str, Any]:
+def capabilities(engine: LLMEngine, structured_output: bool) -> dict[str, Any]:
+    """What a client may send and will get back. `structured_output` is whether output grammars can be built
+    (the tokenizer is byte-level): without them `tool_choice` required or named and JSON `response_format` are
+    refused, and `strict` is ignored."""
+    return {
+        "context_length": engine.context_length,
+        "max_output_tokens": engine.max_request_tokens - 1,  # a one-token prompt leaves this much room
+        "modalities": ["text"],
+        "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses"],
+        "streaming": True,
+        "usage_in_streaming": True,
+        "max_tokens_fields": ["max_completion_tokens", "max_tokens"],
+        "developer_role": True,
+        "tools": True,
+        "tool_choice": ["auto", "none", "required", "named"] if structured_output else ["auto", "none"],
+        "parallel_tool_calls": True,
+        "strict_tools": structured_output,
+        "response_format": ["text", "json_object", "json_schema"] if structured_output else ["text"],
+        "structured_output": structured_output,
+        "thinking": True,
+        "thinking_default": False,
+        "thinking_controls": [
+            "reasoning_effort",
+            "chat_template_kwargs.thinking",
+            "chat_template_kwargs.enable_thinking",
+            "enable_thinking",
+        ],
+        "reasoning_efforts": list(REASONING_EFFORT_LEVELS),
+        "reasoning_effort_aliases": dict(REASONING_EFFORT_ALIASES),
+        "reasoning_field": "reasoning_content",
+        "logprobs": True,
+        "stateful_responses": False,
+    }
+
+
+def server_info(engine: LLMEngine, build: str, capabilities: dict[str, Any]) -> dict[str, Any]:
     config = engine.applied_config
     runner = engine.runner
     context_length = config.context_length
@@ -50,6 +86,7 @@ def server_info(engine: LLMEngine, build: str) -> dict[str, Any]:
         "gpu_memory": dataclasses.asdict(runner.memory),
         # Requests at full context the pool holds at once (a request holds whole pages).
         "max_concurrency_at_full_context": round(runner.pool.num_pages / runner.layout.pages_for(context_length), 2),
+        "capabilities": capabilities,
     }
 
 
@@ -63,9 +100,8 @@ def ready_line(info: dict[str, Any]) -> str:
     )
 
 
-def models(engine: LLMEngine) -> dict[str, Any]:
+def models(engine: LLMEngine, capabilities: dict[str, Any]) -> dict[str, Any]:
     config = engine.applied_config
-    max_output = engine.max_request_tokens - 1  # a one-token prompt leaves this much room
     return {
         "object": "list",
         "data": [
@@ -77,19 +113,8 @@ def models(engine: LLMEngine) -> dict[str, Any]:
                 "root": config.model,
                 "max_model_len": config.context_length,
                 "context_length": config.context_length,
-                "max_output_tokens": max_output,
-                "capabilities": {
-                    "streaming": True,
-                    "usage_in_streaming": True,
-                    "tools": True,
-                    "developer_role": True,
-                    "thinking": True,
-                    "reasoning_efforts": list(REASONING_EFFORT_LEVELS),
-                    "logprobs": True,
-                    "structured_output": False,
-                    "responses_api": False,
-                    "modalities": ["text"],
-                },
+                "max_output_tokens": capabilities["max_output_tokens"],
+                "capabilities": capabilities,
             }
         ],
     }

@@ -1,21 +1,30 @@
-"""OpenAI-compatible requests in: body checks, prompt tokens, sampling parameters and the context limits, with
-OpenAI-shaped errors that name the field and the limit.
+"""OpenAI-compatible requests in: body checks, prompt tokens, sampling parameters, the output grammar and the
+context limits, with OpenAI-shaped errors that name the field and the limit.
 
-Unknown fields are accepted and ignored (clients send many: `store`, `metadata`, `parallel_tool_calls`, …).
-Known fields this engine cannot honour with a non-default value (`n` > 1, `echo`, `best_of`, `suffix`) are
-refused rather than silently ignored. `tool_choice` and `response_format` belong to the agent API (issue #7):
-accepted and not acted on yet.
+Unknown fields are accepted and ignored (clients send many: `store`, `metadata`, `user`, …). Known fields this
+engine cannot honour with a non-default value (`n` > 1, `echo`, `best_of`, `suffix`) are refused rather than
+silently ignored. Chat requests as agents send them (docs/agent-api.md):
+
+- A `developer` message is a system message. OpenAI made `developer` the new name of `system`; DeepSeek-V4's own
+  `developer` role (dsv4-chat-format.md §3) is an internal one, rendered as a user turn and dropped from history in
+  thinking mode, which would lose an agent's instructions after its first turn.
+- `tools` and `response_format` are declared to the model on the first system message, as the encoder expects;
+  `tool_choice`, `parallel_tool_calls`, `strict` tools and `response_format` become the request's output grammar
+  (grammar.py). `max_completion_tokens` wins over `max_tokens`.
+- Thinking is off unless `reasoning_effort`, `chat_template_kwargs.thinking` / `.enable_thinking` or a top-level
+  `enable_thinking` asks for it.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.server.chat_encoding import ChatEncodingError, encode_messages
+from engine.server.grammar import GrammarError, Grammars, output_format
+from engine.server.tool_calls import ToolsError, parse_tool_policy
 from engine.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
@@ -66,19 +75,26 @@ class GenerationRequest:
     warning: str | None  # a `Warning` header value when max_tokens was clamped
     thinking: bool = False  # chat: the completion starts with reasoning
     tools_offered: bool = False  # chat: DSML tool calls are parsed out of the completion
+    calls_allowed: bool = True  # chat: parsed calls are returned (not under tool_choice "none")
+    echo: Mapping[str, Any] | None = None  # the request fields a Responses object repeats
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limits) -> GenerationRequest:
+def parse_chat(
+    body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limits, grammars: Grammars | None
+) -> GenerationRequest:
     _check_model(body, limits)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty array of messages", "messages", "missing_required_parameter")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("tools must be an array of tools", "tools")
+    try:
+        policy = parse_tool_policy(body)
+    except ToolsError as error:
+        raise invalid(str(error), error.param) from error
+    response_format, response_schema = _response_format(body)
     thinking, effort = _thinking(body)
-    if tools:
-        messages = _declare_tools(messages, tools)
+    messages = _declare(
+        [_developer_as_system(message) for message in messages], body.get("tools") or [], response_format
+    )
     try:
         text = encode_messages(messages, "thinking" if thinking else "chat", reasoning_effort=effort)
     except ChatEncodingError as error:
@@ -90,9 +106,24 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limits) ->
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise invalid(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs")
     prompt_ids = tokenizer.encode(text)  # the encoder wrote BOS as text; it encodes to its one id
-    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens_field = next(
+        (f for f in ("max_completion_tokens", "max_output_tokens") if body.get(f) is not None), "max_tokens"
+    )
     request = _generation(body, prompt_ids, "messages", max_tokens_field, (top or 0) if logprobs else None, limits)
-    request.thinking, request.tools_offered = thinking, bool(tools)
+    request.thinking, request.tools_offered = thinking, bool(policy.tools)
+    request.calls_allowed = policy.choice != "none"
+    fmt = output_format(policy, response_schema)
+    param = "response_format" if response_schema is not None else "tools"
+    if grammars is None:
+        # Only a required call or JSON content cannot do without a grammar: `strict` is then ignored, and
+        # tool_choice "none" relies on the parser dropping calls.
+        if response_schema is not None or policy.choice in ("required", "named"):
+            raise invalid("this model's tokenizer is not byte-level, so its output cannot be constrained", param)
+    elif fmt is not None:
+        try:
+            request.params.constraint = grammars.constraint(fmt, thinking)
+        except (GrammarError, ToolsError) as error:
+            raise invalid(str(error), getattr(error, "param", param)) from error
     return request
 
 
@@ -233,16 +264,44 @@ def _thinking(body: Mapping[str, Any]) -> tuple[bool, str | None]:
 _FLAGS = ("thinking", "enable_thinking")
 
 
-def _declare_tools(messages: list[Any], tools: list[Any]) -> list[Any]:
-    """The request's tools go on the first system or developer message, as the encoder expects (an empty system
-    message is added when there is none)."""
-    messages = list(messages)
+def _response_format(body: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, Mapping[str, Any] | bool | None]:
+    """`response_format` as declared to the model (None for text) and the JSON Schema the content must match:
+    `json_object` is any object; `json_schema` its `schema` (enforced whether or not `strict` is set)."""
+    given = _optional(body, "response_format", dict)
+    kind = (given or {}).get("type", "text")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return given, {"type": "object"}
+    if kind == "json_schema":
+        spec = _optional(given, "json_schema", dict, "response_format.json_schema") or {}
+        schema = spec.get("schema", True)
+        if not isinstance(schema, dict | bool):
+            raise invalid("response_format.json_schema.schema must be a JSON Schema", "response_format")
+        return given, schema
+    raise invalid(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "response_format"
+    )
+
+
+def _developer_as_system(message: Any) -> Any:
+    if isinstance(message, Mapping) and message.get("role") == "developer":
+        return {**message, "role": "system"}
+    return message
+
+
+def _declare(messages: list[Any], tools: list[Any], response_format: Mapping[str, Any] | None) -> list[Any]:
+    """The request's tools and response format go on the first system message, as the encoder expects (an empty
+    system message is added when there is none)."""
+    declarations = ({"tools": tools} if tools else {}) | (
+        {"response_format": response_format} if response_format else {}
+    )
+    if not declarations:
+        return messages
     first = messages[0]
-    if isinstance(first, Mapping) and first.get("role") in ("system", "developer"):
-        messages[0] = {**copy.copy(first), "tools": tools}
-    else:
-        messages.insert(0, {"role": "system", "content": "", "tools": tools})
-    return messages
+    if isinstance(first, Mapping) and first.get("role") == "system":
+        return [{**first, **declarations}, *messages[1:]]
+    return [{"role": "system", "content": "", **declarations}, *messages]
 
 
 def _token_ids(body: Mapping[str, Any], name: str, limits: Limits) -> list[int]:

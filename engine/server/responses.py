@@ -1,12 +1,15 @@
 """OpenAI-compatible responses out: `chat.completion` and `text_completion` objects, and their stream chunks.
 
 Chat output goes through the DSML parser: reasoning to `reasoning_content`, tool-call blocks to `tool_calls` (when
-tools were offered), the rest to `content`. A stream and a whole response of the same output carry the same text,
-since the parser's events do not depend on how the text was split.
+tools were offered; dropped and logged under `tool_choice` "none"), the rest to `content`. A stream and a whole
+response of the same output carry the same text, since the parser's events do not depend on how the text was
+split. A stream is `opening()`, then `events()` of each output, then `closing()`; `failed()` replaces what is left
+when the engine gives up on the request.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -16,7 +19,7 @@ from engine.llm_engine import RequestOutput
 from engine.sequence import TokenLogprob
 from engine.server import dsml
 from engine.server.chat_encoding import THINK_END
-from engine.server.protocol import GenerationRequest
+from engine.server.protocol import ApiError, GenerationRequest
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -44,8 +47,22 @@ class _Formatter:
             **extra,
         }
 
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        return self._envelope([], usage=self.usage(output))
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def events(self, output: RequestOutput) -> list[dict[str, Any]]:
+        """What one output adds to the stream: its chunks, and the usage chunk after the last when asked."""
+        usage = [self._envelope([], usage=self.usage(output))] if output.finished and self.request.include_usage else []
+        return self.chunks(output) + usage
+
+    def failed(self, status: int, message: str) -> list[dict[str, Any]]:
+        return [ApiError(status, message, code="request_failed").body()]
+
+    def sse(self, payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def closing(self) -> str:
+        return "data: [DONE]\n\n"
 
     def usage(self, output: RequestOutput) -> dict[str, Any]:
         prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
@@ -73,15 +90,12 @@ class ChatFormatter(_Formatter):
         self.tool_calls = False
         self.think_end = tokenizer.token_id(THINK_END)
 
-    def first_chunk(self) -> dict[str, Any]:
-        return self._chunk({"role": "assistant", "content": ""})
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""})]
 
     def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
         """The deltas this output adds (its logprobs on the first, or on an empty delta)."""
-        events = self.parser.feed(output.new_text)
-        if output.finished:
-            events += self.parser.finish()
-        chunks = [self._chunk(delta) for delta in self._deltas(events)]
+        chunks = [self._chunk(delta) for delta in self._deltas(self.parsed_events(output))]
         if output.new_logprobs and self.request.params.logprobs is not None:
             logprobs = {"content": [self._logprob(lp) for lp in output.new_logprobs]}
             if not chunks:
@@ -91,9 +105,31 @@ class ChatFormatter(_Formatter):
             chunks.append(self._chunk({}, finish_reason(output, self.tool_calls)))
         return chunks
 
-    def response(self, output: RequestOutput) -> dict[str, Any]:
+    def parsed_events(self, output: RequestOutput) -> list[dsml.StreamEvent]:
+        """The parser's events for this output, calls dropped under tool_choice "none", dropped text logged."""
+        events = self.parser.feed(output.new_text)
+        if output.finished:
+            events += self.parser.finish()
+        kept, dropped = [], []
+        for event in events:
+            dropping = isinstance(event, dsml.Malformed) or (
+                isinstance(event, dsml.ToolCall) and not self.request.calls_allowed
+            )
+            (dropped if dropping else kept).append(event)
+        _log_malformed(self.request_id, [_as_dropped(event) for event in dropped])
+        return kept
+
+    def parsed(self, output: RequestOutput) -> dsml.ParsedCompletion:
+        """The whole output parsed, calls dropped under tool_choice "none", dropped text logged."""
         parsed = dsml.parse_completion(output.text, self.request.tools_offered, self.request.thinking)
-        _log_malformed(self.request_id, parsed.malformed)
+        dropped = parsed.malformed + ([] if self.request.calls_allowed else parsed.tool_calls)
+        _log_malformed(self.request_id, [_as_dropped(event) for event in dropped])
+        if not self.request.calls_allowed:
+            parsed.tool_calls = []
+        return parsed
+
+    def response(self, output: RequestOutput) -> dict[str, Any]:
+        parsed = self.parsed(output)
         message: dict[str, Any] = {
             "role": "assistant",
             "content": parsed.content or (None if parsed.tool_calls else ""),
@@ -115,7 +151,6 @@ class ChatFormatter(_Formatter):
 
     def _deltas(self, events: list[dsml.StreamEvent]) -> list[dict[str, Any]]:
         deltas = []
-        malformed = []
         for event in events:
             if isinstance(event, dsml.ReasoningDelta):
                 deltas.append({"reasoning_content": event.text})
@@ -124,9 +159,6 @@ class ChatFormatter(_Formatter):
             elif isinstance(event, dsml.ToolCall):
                 self.tool_calls = True
                 deltas.append({"tool_calls": [_tool_call(event) | {"index": event.index}]})
-            else:
-                malformed.append(event)
-        _log_malformed(self.request_id, malformed)
         return deltas
 
     def _chunk(self, delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
@@ -184,6 +216,12 @@ class CompletionFormatter(_Formatter):
 
 def _tool_call(call: dsml.ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _as_dropped(event: dsml.Malformed | dsml.ToolCall) -> dsml.Malformed:
+    if isinstance(event, dsml.ToolCall):
+        return dsml.Malformed(f"{event.name}({event.arguments})", 'a tool call under tool_choice "none"')
+    return event
 
 
 def _log_malformed(request_id: str, malformed: list[dsml.Malformed]) -> None:

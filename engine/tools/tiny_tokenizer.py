@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.tokenizer import BOS_TOKEN, EOS_TOKEN
+from engine.tokenizer import BOS_TOKEN, EOS_TOKEN, byte_level_chars
 
 # The DeepSeek-V4 tokens in the order of the chat-format reference (§2), BOS and EOS first so that their ids are 0
 # and 1 as in the real checkpoint. `special` tokens are control tokens that decode(skip_special_tokens=True) drops;
@@ -136,7 +136,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     if len(merges) != num_merges:
         raise ValueError(f"the corpus yields {len(merges)} merges, fewer than vocab_size={vocab_size} needs")
 
-    tokens = [token for token, _ in DSV4_TOKENS] + _byte_level_chars() + [left + right for left, right in merges]
+    tokens = [token for token, _ in DSV4_TOKENS] + byte_level_chars() + [left + right for left, right in merges]
     tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -163,11 +163,3 @@ def save_tiny_tokenizer(out_dir: Path, vocab_size: int = 1024) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
-
-
-def _byte_level_chars() -> list[str]:
-    """The ByteLevel pre-tokenizer's character for each byte 0..255: printable bytes stand for themselves, the rest
-    are shifted to U+0100 onwards in byte order (GPT-2's remapping)."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    shifted = iter(range(0x100, 0x200))
-    return [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)]

@@ -62,7 +62,8 @@ def test_ready_line_server_info_and_boot_stages_agree(server):
     ready = READY.match(server.ready_line)
     assert ready, server.ready_line
     info = server.http.get("/server_info").json()
-    assert set(info) == SERVER_INFO_KEYS
+    # DESIGN.md's keys exactly, plus what the API accepts (test_agent_api.py checks it).
+    assert set(info) == SERVER_INFO_KEYS | {"capabilities"}
     config = info["config"]
     assert list(config) == EngineConfig.field_names()
     assert int(ready["context_len"]) == config["context_length"] == CONTEXT_LENGTH

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,10 +50,10 @@ def make_app(data_dir: Path) -> Callable[..., Litestar]:
     """Build the app on the test's data directory; call again to "restart" on the same database file."""
 
     def make(**env: str) -> Litestar:
-        """`FLASHGATE_ADMIN_TOKEN=""` starts without an admin token (the setup-token path)."""
-        return create_app(
-            load_settings({"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, **env})
-        )
+        """`FLASHGATE_ADMIN_TOKEN=""` starts without an admin token (the setup-token path). The tiny checkpoint is
+        not made unless a test asks (`FLASHGATE_MAKE_TINY="1"`): most tests want "weights missing"."""
+        base = {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_MAKE_TINY": "0"}
+        return create_app(load_settings({**base, **env}))
 
     return make
 
@@ -100,3 +104,26 @@ def sign_in(client: TestClient) -> Callable[[str, str], str]:
         return csrf
 
     return do
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range: a port the engine binds only later must not be taken meanwhile as the
+    local end of some outgoing connection (which picks from the ephemeral range)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory) -> Path:
+    """A models directory holding the tiny checkpoint, made once per session by the engine's own tool (a subprocess,
+    as the console makes it)."""
+    models = tmp_path_factory.mktemp("models")
+    subprocess.run([sys.executable, "-m", "engine.tools.make_tiny", "--out", str(models / "tiny")], check=True)
+    return models

@@ -22,6 +22,12 @@ API_MATRIX = [
     ("POST", "/api/profiles/{name}/children", "operator", {"json": {"name": "x", "rationale": "y"}}),
     ("POST", "/api/profiles/{name}/retire", "operator", {}),
     ("PUT", "/api/route/production", "operator", {"json": {"profile": "cpu-demo"}}),
+    ("POST", "/api/engine/start", "operator", {"json": {"profile": "cpu-demo"}}),
+    ("POST", "/api/engine/stop", "operator", {}),
+    ("POST", "/api/engine/restart", "operator", {"json": {}}),
+    ("POST", "/api/route/rollback", "operator", {"json": {"reason": "back"}}),
+    ("POST", "/api/profiles/{name}/qualifications", "operator", {"json": {}}),
+    ("POST", "/api/profiles/{name}/decisions", "operator", {"json": {"decision": "reject", "reason": "no"}}),
     ("POST", "/api/operators", "admin", {"json": {"name": "eve", "role": "admin"}}),
     # Someone else's tokens: only an admin may.
     ("POST", "/api/operators/{name}/tokens", "admin", {"json": {"name": "sneaky"}}),
@@ -30,9 +36,16 @@ API_MATRIX = [
 PAGE_MATRIX = [
     ("POST", "/profiles/{name}/children", "operator", {"data": {"name": "x", "rationale": "y"}}),
     ("POST", "/profiles/{name}/retire", "operator", {}),
+    ("POST", "/engine/start", "operator", {"data": {"profile": "cpu-demo"}}),
+    ("POST", "/engine/stop", "operator", {}),
+    ("POST", "/engine/restart", "operator", {}),
+    ("POST", "/profiles/{name}/qualifications", "operator", {}),
+    ("POST", "/qualifications/{run_id}/decisions", "operator", {"data": {"decision": "reject"}}),
+    ("POST", "/route/production", "operator", {"data": {"profile": "cpu-demo"}}),
+    ("POST", "/route/rollback", "operator", {"data": {"reason": "back"}}),
     ("POST", "/signout", "viewer", {}),
 ]
-PATH_VALUES = {"{name}": "cpu-demo", "{token_id}": "1"}
+PATH_VALUES = {"{name}": "cpu-demo", "{token_id}": "1", "{run_id}": "1"}
 
 
 def concrete(path: str) -> str:

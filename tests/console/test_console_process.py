@@ -1,34 +1,33 @@
 """`python -m app` comes up as a real process on a real SQLite directory, answers its health probes, logs JSON
-lines that carry each request's id, and prints the one-time setup token exactly once."""
+lines that carry each request's id, and prints the one-time setup token exactly once. On first start it makes the
+tiny checkpoint; killed with its engine running, the next console stops that engine and closes its run."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+from tests.console.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ADMIN_TOKEN = "fg_process-test-admin"
 
 
 def test_console_starts_and_answers_health(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "FLASHGATE_DATA_DIR": str(tmp_path / "data"),
         "FLASHGATE_PORT": str(port),
         "FLASHGATE_LOG_JSON": "1",
+        "FLASHGATE_MAKE_TINY": "0",
     }
     env.pop("FLASHGATE_ADMIN_TOKEN", None)
     log = tmp_path / "console.log"
@@ -56,3 +55,84 @@ def test_console_starts_and_answers_health(tmp_path):
     assert any(e["event"] == "request" and e.get("request_id") == request_id and e["status"] == 200 for e in lines)
     assert [e["event"] for e in lines].count("setup_token") == 1
     assert any(e["event"] == "profiles_seeded" for e in lines)
+
+
+def _console(data_dir: Path, port: int, engine_port: int, log: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "FLASHGATE_DATA_DIR": str(data_dir),
+        "FLASHGATE_PORT": str(port),
+        "FLASHGATE_ENGINE_PORT": str(engine_port),
+        "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
+        "FLASHGATE_LOG_JSON": "1",
+        "FLASHGATE_ENGINE_GRACE_S": "10",
+    }
+    env.pop("FLASHGATE_MAKE_TINY", None)
+    with log.open("a") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    _until(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200, proc, log, "ready")
+    return proc
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the engine outlived its console, so its new parent reaps it, or may not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(check, proc: subprocess.Popen, log: Path, what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"console exited early:\n{log.read_text()}"
+        try:
+            if check():
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"not {what} within {timeout} s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_first_start_makes_the_tiny_checkpoint_and_a_restart_reclaims_a_left_engine(tmp_path):
+    data_dir, log = tmp_path / "data", tmp_path / "console.log"
+    port, engine_port = free_port(), free_port()
+    api, admin = f"http://127.0.0.1:{port}/api", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def engine() -> dict:
+        return httpx.get(f"{api}/engine", headers=admin, timeout=5).json()
+
+    first = _console(data_dir, port, engine_port, log)
+    try:
+        assert engine()["demo_checkpoint"]["state"] in ("making", "present")
+        _until(lambda: engine()["demo_checkpoint"]["state"] == "present", first, log, "made")
+        assert (data_dir / "models" / "tiny" / "model.safetensors").is_file()
+        assert httpx.get(f"{api}/profiles/cpu-demo", headers=admin).json()["state"]["blockers"] == []
+        started = httpx.post(f"{api}/engine/start", json={"profile": "cpu-demo"}, headers=admin, timeout=30)
+        assert started.status_code == 202, started.text
+        _until(lambda: engine()["state"] == "ready", first, log, "ready")
+        run = engine()["run"]
+    finally:
+        first.kill()  # no shutdown: the engine is left running, as after a crash of the console
+        first.wait(timeout=20)
+    assert httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=5).status_code == 200
+
+    second = _console(data_dir, port, engine_port, log)
+    try:
+        closed = engine()
+        assert closed["state"] == "stopped" and closed["run"]["id"] == run["id"]
+        assert closed["run"]["last_error"] == (
+            f"the console restarted while this engine was ready: its process {run['pid']} was still running "
+            f"and was stopped"
+        )
+        assert not _running(run["pid"])
+        actions = [r["action"] for r in httpx.get(f"{api}/audit", headers=admin).json()]
+        assert {"checkpoint.make", "checkpoint.made", "engine.start", "engine.ready", "engine.reclaimed"} <= set(
+            actions
+        )
+        assert [r["id"] for r in httpx.get(f"{api}/engine/runs", headers=admin).json()] == [run["id"]]
+    finally:
+        second.terminate()
+        second.wait(timeout=30)

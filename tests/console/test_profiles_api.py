@@ -206,9 +206,9 @@ def test_retire(client, operator):
 
 def test_production_route_is_empty_and_promotion_waits_for_qualification(client, operator, viewer):
     assert client.get("/api/route/production", headers=viewer).json() is None
-    response = client.put("/api/route/production", json={"profile": "cpu-demo"}, headers=operator)
+    response = client.put("/api/route/production", json={"profile": "cpu-demo", "reason": "go"}, headers=operator)
     assert response.status_code == 409
-    assert "promotion rules are not implemented yet: qualification is required" in response.json()["detail"]
+    assert "'cpu-demo' is not approved" in response.json()["detail"]
 
 
 def test_openapi_lists_the_api(client):

@@ -1,0 +1,129 @@
+"""An operator qualifies and promotes in a real console process with the real engine (the tiny CPU checkpoint the
+console makes on first start). The setup, through the API, qualifies A and promotes it with waivers, then starts
+B's run (which drains A, stops it and restores it afterwards). In the browser the operator watches B's run live,
+reads the proposal, approves B with a waiver per failed gate, sees the roles change, and rolls back to A.
+Screenshots land in test-artifacts/."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from playwright.sync_api import expect
+
+from tests.browser.conftest import ADMIN_TOKEN, ARTIFACTS, CHROMIUM
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (make browser-deps)"
+    ),
+]
+
+A, B = "demo-1k", "demo-1k-2seqs"
+FINISHED = re.compile("passed|failed|aborted")
+
+
+def _wait(api: httpx.Client, path: str, done, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not done(body := api.get(path).json()):
+        assert time.monotonic() < deadline, f"{path} not done within {timeout} s: {str(body)[:2000]}"
+        time.sleep(0.5)
+    return body
+
+
+def _waivers(run: dict) -> list[dict]:
+    return [{"gate": g["name"], "reason": "a toy model"} for g in run["gates"] if g["status"] == "failed"]
+
+
+def test_watch_a_run_approve_it_with_waivers_and_roll_back(start_console, browser):
+    console = start_console(FLASHGATE_BUILD="browser-test-build", FLASHGATE_TELEMETRY_INTERVAL_S="1")
+    url = console.url
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    _wait(api, "/api/engine", lambda b: b["demo_checkpoint"]["state"] == "present", 90)
+    for name, parent, change in ((A, "cpu-demo", {"context_length": 1024}), (B, A, {"max_num_seqs": 2})):
+        created = api.post(f"/api/profiles/{parent}/children", json={"name": name, "rationale": "demo", **change})
+        assert created.status_code == 201, created.text
+    run_a = api.post(f"/api/profiles/{A}/qualifications", json={}).json()
+    run_a = _wait(api, f"/api/qualifications/{run_a['id']}", lambda b: FINISHED.fullmatch(b["status"]), 150)
+    decided = api.post(
+        f"/api/profiles/{A}/decisions",
+        json={"decision": "promote", "reason": "the demo lane", "confirm": A, "waivers": _waivers(run_a)},
+    )
+    assert decided.status_code == 201, decided.text
+    switch = decided.json()["promotion"]
+    _wait(api, f"/api/route/promotions/{switch}", lambda b: b["status"] != "running", 60)
+    run_b = api.post(f"/api/profiles/{B}/qualifications", json={"confirm_downtime": True})
+    assert run_b.status_code == 202, run_b.text
+    run_b = run_b.json()
+
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.set_default_timeout(30_000)
+    page.goto(f"{url}/signin?next=/qualifications/{run_b['id']}")
+    page.get_by_label("Operator").fill("admin")
+    page.get_by_label("Token").fill(ADMIN_TOKEN)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page).to_have_url(f"{url}/qualifications/{run_b['id']}")
+
+    # Watch progress: the gate, its step and the time move without a reload.
+    page.evaluate("window.flashgateNotReloaded = true")
+    expect(page.locator("#progress")).to_contain_text("Gate ", timeout=60_000)
+    expect(page.locator(".gate-row.gate-passed").first).to_be_visible(timeout=60_000)
+    page.screenshot(path=str(ARTIFACTS / "qualification-progress.png"), full_page=True)
+    expect(page.locator("#run-live")).to_have_attribute("data-status", FINISHED, timeout=150_000)
+    assert page.evaluate("window.flashgateNotReloaded") is True
+
+    # Read the proposal: structural gates passed, capability gates failed with what came back.
+    proposal = page.locator("#proposal")
+    expect(proposal).to_contain_text("No promotion")
+    expect(page.locator("#gate-responses .gate-status")).to_have_text("failed")
+    expect(page.locator("#gate-post_stress_smoke .gate-status")).to_have_text("passed")
+    page.screenshot(path=str(ARTIFACTS / "qualification-proposal.png"), full_page=True)
+
+    # Approve with a waiver per failed gate, typing the profile's name.
+    form = page.locator("#decision-form")
+    form.get_by_label("Promote").check()
+    form.locator("#d-reason").fill("B halves max_num_seqs; the demo model cannot answer agents either way")
+    failed = [
+        g["name"] for g in api.get(f"/api/qualifications/{run_b['id']}").json()["gates"] if g["status"] == "failed"
+    ]
+    assert failed
+    for gate in failed:
+        form.locator(f"#waive-{gate}").check()
+        form.locator(f"#waiver-reason-{gate}").fill(f"{gate}: a toy CPU model, not an agent")
+    form.locator("#d-confirm").fill(B)
+    page.screenshot(path=str(ARTIFACTS / "qualification-decision.png"), full_page=True)
+    form.get_by_role("button", name="Record decision").click()
+
+    # The switch runs on the route page; the roles change when it commits.
+    expect(page).to_have_url(f"{url}/route")
+    expect(page.locator("#production-profile")).to_have_text(B, timeout=60_000)
+    expect(page.locator("#rollback-profile")).to_have_text(A)
+    expect(page.locator(".role-rollback")).to_contain_text("can start now")
+    expect(page.locator(".switches tbody tr").first).to_contain_text("committed")
+    page.screenshot(path=str(ARTIFACTS / "route-promoted.png"), full_page=True)
+    page.goto(f"{url}/profiles")
+    expect(page.locator("tr", has_text=B).locator(".role-production")).to_be_visible()
+    expect(page.locator("tr", has_text=f"{A} ").locator(".role-rollback")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "profiles-roles.png"), full_page=True)
+
+    # The report reads the same evidence, with the performance plot against production on the same shape.
+    page.goto(f"{url}/qualifications/{run_b['id']}/report")
+    expect(page.locator("figure.bar-chart svg").first).to_be_visible()
+    expect(page.locator("#gate-tools")).to_contain_text("waived")
+    page.screenshot(path=str(ARTIFACTS / "qualification-report.png"))
+    page.locator("#performance").screenshot(path=str(ARTIFACTS / "qualification-report-performance.png"))
+
+    # Roll back to the last known good.
+    page.goto(f"{url}/route")
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_label("Reason for the rollback").fill("B was only a drill")
+    page.get_by_role("button", name=f"Roll back to {A}").click()
+    expect(page.locator("#production-profile")).to_have_text(A, timeout=60_000)
+    expect(page.locator("#rollback-profile")).to_have_text("none")
+    expect(page.locator(".switches tbody tr").first).to_contain_text("rollback")
+    page.screenshot(path=str(ARTIFACTS / "route-rolled-back.png"), full_page=True)
+    engine = api.get("/api/engine").json()
+    assert engine["state"] == "ready" and engine["profile"] == A

@@ -1,0 +1,238 @@
+"""compose.yaml against the Compose Specification's JSON Schema (vendored: tests/data/README.md), interpolated as
+`docker compose` would, and against what the console expects of it: the GPU reservation, the ports, the volumes,
+the settings' defaults, and the docker driver's pre-created engine container behind a socket proxy that allows
+exactly what the driver does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from app.settings import load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = json.loads((ROOT / "tests/data/compose-spec.json").read_text())
+COMPOSE_TEXT = (ROOT / "compose.yaml").read_text()
+DOCKER_API = json.loads((ROOT / "tests/console/docker_api/engine_container.json").read_text())
+
+# ${VAR}, ${VAR:-default}, ${VAR-default}; `$$` is a literal `$`.
+_VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {key: _interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op = match.group("name"), match.group("op")
+        if op is None:
+            assert name in env, f"${{{name}}} has no default: compose would warn and use an empty string"
+            return env[name]
+        unset = name not in env or (op == ":-" and env[name] == "")
+        return match.group("default") if unset else env[name]
+
+    return _VARIABLE.sub(substitute, value)
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    return _interpolate(yaml.safe_load(COMPOSE_TEXT), env or {})
+
+
+OVERRIDES = {
+    "FLASHGATE_GPU_COUNT": "2",
+    "FLASHGATE_PUBLISH": "127.0.0.1:9090",
+    "FLASHGATE_MODELS_DIR": "/srv/flashgate/models",
+    "FLASHGATE_SUPERVISOR": "docker",
+    "FLASHGATE_ADMIN_TOKEN": "fg_secret",
+    "FLASHGATE_COMMIT": "abc1234",
+}
+
+
+@pytest.mark.parametrize("env", [{}, OVERRIDES], ids=["defaults", "overrides"])
+def test_compose_file_is_valid_against_the_compose_spec(env):
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    errors = sorted(jsonschema.Draft7Validator(SCHEMA).iter_errors(compose(env)), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def test_schema_rejects_a_broken_compose_file():
+    """The validation is real: a misspelt key and a wrong type fail it."""
+    broken = compose()
+    broken["services"]["flashgate"]["restart_policy"] = "always"
+    broken["services"]["flashgate"]["ports"] = "8080:8080"
+    messages = [e.message for e in jsonschema.Draft7Validator(SCHEMA).iter_errors(broken)]
+    assert any("restart_policy" in m for m in messages) and any("is not of type 'array'" in m for m in messages)
+
+
+def test_appliance_service():
+    service = compose()["services"]["flashgate"]
+    assert "profiles" not in service and service["command"] == ["console"]
+    assert service["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+    ]
+    gpus = compose(OVERRIDES)["services"]["flashgate"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert int(gpus["count"]) == 2
+    # The console and the agents' route are published; the engine's port never is.
+    assert service["ports"] == ["8080:8080"]
+    assert compose(OVERRIDES)["services"]["flashgate"]["ports"] == ["127.0.0.1:9090:8080"]
+    assert not any(str(load_settings({}).engine_port) in str(port) for port in service["ports"])
+    # The database and evidence on a named volume; the weights read-only.
+    assert "flashgate-data:/data" in service["volumes"] and "flashgate-data" in compose()["volumes"]
+    models = next(v for v in service["volumes"] if isinstance(v, dict))
+    assert models["type"] == "bind" and models["target"] == "/models" and models["read_only"] is True
+    assert models["source"] == "./models"
+    assert next(v for v in compose(OVERRIDES)["services"]["flashgate"]["volumes"] if isinstance(v, dict))["source"] == (
+        "/srv/flashgate/models"
+    )
+    assert service["shm_size"] == "16g" and service["restart"] == "unless-stopped" and service["init"] is True
+    assert service["healthcheck"]["test"] == ["CMD", "flashgate", "healthcheck"]
+    # Compose stops the container only after the console has drained its engine.
+    assert _seconds(service["stop_grace_period"]) > load_settings({}).engine_grace_s
+
+
+def test_console_settings_in_compose_match_the_console_defaults():
+    """What compose passes to the console is what the console reads: fixed container paths, and the same defaults as
+    load_settings (README, "Settings"), except the tiny checkpoint that a read-only /models cannot hold."""
+    env = compose()["services"]["flashgate"]["environment"]
+    settings, defaults = load_settings(env), load_settings({})
+    assert (str(settings.data_dir), str(settings.models_dir), settings.host, settings.port) == (
+        "/data",
+        "/models",
+        "0.0.0.0",
+        8080,
+    )
+    for field in ("supervisor", "admin_token", "engine_grace_s", "engine_boot_timeout_s", "engine_health_timeout_s"):
+        assert getattr(settings, field) == getattr(defaults, field), field
+    assert settings.log_json is True and settings.make_tiny is False
+    overridden = load_settings(compose(OVERRIDES)["services"]["flashgate"]["environment"])
+    assert overridden.supervisor == "docker" and overridden.admin_token == "fg_secret"
+
+
+def test_docker_driver_profile_matches_the_console_defaults():
+    """`--profile docker-driver` adds the pre-created engine container and the socket proxy, named as the console's
+    FLASHGATE_DOCKER_* defaults expect them, and reachable only as they must be."""
+    services, defaults = compose()["services"], load_settings({})
+    engine, proxy = services["engine"], services["docker-proxy"]
+    assert engine["profiles"] == ["docker-driver"] and proxy["profiles"] == ["docker-driver"]
+    assert defaults.docker_host == "tcp://docker-proxy:2375" and defaults.docker_engine_host == "engine"
+    assert engine["container_name"] == defaults.docker_container
+    assert engine["image"] == services["flashgate"]["image"] and engine["command"] == ["engine"]
+    assert engine["volumes"] == services["flashgate"]["volumes"] and engine["deploy"] == services["flashgate"]["deploy"]
+    assert engine["restart"] == "no" and "ports" not in engine and engine["healthcheck"] == {"disable": True}
+    # The proxy: pinned, never published, on an internal network it shares with the console alone.
+    assert re.fullmatch(r"lscr\.io/linuxserver/socket-proxy:\d+\.\d+\.\d+-r\d+-ls\d+", proxy["image"])
+    assert "ports" not in proxy and proxy["networks"] == ["docker-control"]
+    assert compose()["networks"]["docker-control"] == {"internal": True}
+    assert [name for name, s in services.items() if "docker-control" in s.get("networks", [])] == [
+        "flashgate",
+        "docker-proxy",
+    ]
+    assert "/var/run/docker.sock:/var/run/docker.sock:ro" in proxy["volumes"]
+    assert "root-equivalent" in COMPOSE_TEXT
+
+
+# The rules of linuxserver/socket-proxy's HAProxy template (root/templates/haproxy.cfg), in its order: the
+# ALLOW_* switches come before the POST gate, so with POST=0 they open start/stop and nothing else writes.
+_ID = r"^(/v[\d.]+)?/containers/[a-zA-Z0-9_.-]+/"
+_PROXY_RULES: list[tuple[str, str | None]] = [
+    (_ID + "((stop)|(restart)|(kill))", "ALLOW_RESTARTS"),
+    (_ID + "start", "ALLOW_START"),
+    (_ID + "stop", "ALLOW_STOP"),
+    (_ID + "pause", "ALLOW_PAUSE"),
+    (_ID + "unpause", "ALLOW_UNPAUSE"),
+    ("POST-GATE", None),
+    *(
+        (rf"^(/v[\d.]+)?/{section.lower()}", section)
+        for section in [
+            "AUTH",
+            "BUILD",
+            "COMMIT",
+            "CONFIGS",
+            "CONTAINERS",
+            "DISTRIBUTION",
+            "EVENTS",
+            "EXEC",
+            "GRPC",
+            "IMAGES",
+            "INFO",
+            "NETWORKS",
+            "NODES",
+            "PLUGINS",
+            "SECRETS",
+            "SERVICES",
+            "SESSION",
+            "SWARM",
+            "SYSTEM",
+            "TASKS",
+            "VERSION",
+            "VOLUMES",
+        ]
+    ),
+    (r"^(/v[\d.]+)?/_ping", "PING"),
+]
+# The image's own defaults (its Dockerfile ENV), under what compose sets.
+_PROXY_DEFAULTS = {"EVENTS": "1", "PING": "1", "VERSION": "1"}
+
+
+def _proxy_allows(env: dict[str, str], method: str, path: str) -> bool:
+    def on(name: str | None) -> bool:
+        return str(env.get(name, "0")).lower() in {"1", "true", "yes", "on"}
+
+    for pattern, switch in _PROXY_RULES:
+        if pattern == "POST-GATE":
+            if method not in {"GET", "HEAD"} and not on("POST"):
+                return False
+        elif re.search(pattern, path, re.IGNORECASE) and on(switch):
+            return True
+    return False
+
+
+def test_socket_proxy_allows_exactly_what_the_docker_driver_does():
+    env = {**_PROXY_DEFAULTS, **compose()["services"]["docker-proxy"]["environment"]}
+    container = DOCKER_API["container"]["name"]
+    # Every call of the driver's recorded Docker Engine API exchanges (tests/console/docker_api/) but restart,
+    # which the driver never makes (it stops, then starts).
+    used = {
+        (e["request"]["method"], e["request"]["path"].replace("{container}", container))
+        for e in DOCKER_API["exchanges"]
+    }
+    assert ("POST", f"/v1.47/containers/{container}/restart") in used
+    for method, path in used - {("POST", f"/v1.47/containers/{container}/restart")}:
+        assert _proxy_allows(env, method, path), (method, path)
+    refused = [
+        ("POST", "/v1.47/containers/create"),
+        ("POST", f"/v1.47/containers/{container}/exec"),
+        ("POST", f"/v1.47/containers/{container}/kill"),
+        ("POST", f"/v1.47/containers/{container}/restart"),
+        ("POST", f"/v1.47/containers/{container}/attach"),
+        ("POST", f"/v1.47/containers/{container}/update"),
+        ("DELETE", f"/v1.47/containers/{container}"),
+        ("POST", "/v1.47/images/create"),
+        ("GET", "/v1.47/images/json"),
+        ("POST", "/v1.47/volumes/create"),
+        ("GET", "/v1.47/info"),
+        ("GET", "/v1.47/events"),
+        ("POST", "/v1.47/exec/abc/start"),
+        ("POST", "/v1.47/build"),
+    ]
+    for method, path in refused:
+        assert not _proxy_allows(env, method, path), (method, path)
+    # The reads CONTAINERS=1 cannot separate from inspect and logs, as compose.yaml and docs/deploy.md say.
+    assert _proxy_allows(env, "GET", "/v1.47/containers/json")
+
+
+def _seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration))
