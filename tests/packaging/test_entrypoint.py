@@ -236,5 +236,7 @@ def test_arguments_and_other_commands(tmp_path):
 
 
 def test_make_run_starts_the_console_through_the_entrypoint():
-    planned = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    planned = subprocess.run(
+        ["make", "--no-print-directory", "-n", "run"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     assert planned.splitlines()[-1] == "FLASHGATE_PYTHON=.venv/bin/python sh bin/flashgate console"
