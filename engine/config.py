@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Rows in the model's own dtype are what "auto" gives on the CPU, for exact results there.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _field(default, help: str):
@@ -38,6 +39,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = _field(
         None, "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 16)"
     )
+    enforce_eager: bool = _field(False, "never capture CUDA graphs: every decode step runs eagerly (for debugging)")
     tensor_parallel_size: int = _field(1, "GPUs per model replica (only 1 until tensor parallelism exists)")
     page_size: int = _field(256, "raw tokens per KV page: 256 tokens <-> 64 c4 rows <-> 2 c128 rows (only 256)")
     max_waiting_requests: int = _field(256, "requests that may wait for a running slot; beyond that HTTP 429")
@@ -49,6 +51,11 @@ class EngineConfig:
     # The official checkpoint's FP8/FP4 rounding of KV nope dims and indexer q/k, as its inference code does;
     # False reproduces transformers, which omits it.
     quant_sim: bool = _field(True, "simulate the official FP8/FP4 activation rounding (off = transformers' math)")
+    load_format: str = _field(
+        "auto",
+        f"one of {LOAD_FORMATS}; dummy = seeded random weights made on the device from the directory's config.json "
+        "(benchmarks of a model's shape without its weights)",
+    )
     seed: int = _field(0, "the engine's base random seed")
     host: str = _field("127.0.0.1", "address the HTTP server binds to")
     port: int = _field(30000, "port the HTTP server binds to")
@@ -78,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0 seconds, got {self.shutdown_grace_s!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

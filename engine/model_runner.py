@@ -7,6 +7,10 @@ and the peak workspace of the largest step the scheduler admits (`max_num_batche
 (window rings, compressor states). On CPU the pool holds `max_num_seqs` requests at full `context_length` unless
 `num_kv_pages` says otherwise. Either way the model's paged cache is allocated over the pool at once, so capacity
 and `kv_bytes` are counted from what was allocated.
+
+Decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs (engine/cuda_graphs.py) captured after the
+pool is allocated; their memory is reserved before sizing it (one eager decode step of the largest captured size at
+the widest page table, measured) and reported as `graph_bytes` once captured.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from engine.cache.layout import KVLayout
 from engine.cache.pool import PagePool
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch, SequenceState
 from engine.sampler import sample
@@ -80,7 +85,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
         started = time.monotonic()
-        self.model = load_model(config.model, self.dtype, self.device, config.quant_sim)  # logs load_progress
+        self.model = load_model(config.model, self.dtype, self.device, config.quant_sim, load_format=config.load_format)
         if self.device.type == "cuda":
             weights_bytes = torch.cuda.memory_allocated(self.device)
         else:
@@ -89,17 +94,21 @@ class ModelRunner:
 
         started = time.monotonic()
         self.layout = KVLayout.for_model(self.model.args, config.page_size, layout_kv_dtype(config, self.device))
-        if self.device.type == "cuda":
-            num_pages = self._cuda_pool_pages(weights_bytes)
+        self.context_length = context_length
+        cuda = self.device.type == "cuda"
+        graphs = cuda and not config.enforce_eager
+        # Reserved before sizing the pool (CUDA): the largest admitted step's activations, and the decode graphs.
+        self.workspace_bytes: int | None = None
+        self.graph_reserve_bytes: int | None = None
+        if cuda:
+            num_pages = self._cuda_pool_pages(weights_bytes, graphs)
         else:
             num_pages = config.num_kv_pages or self.layout.pages_for(context_length) * config.max_num_seqs
         self.pool = PagePool(num_pages, config.page_size)
-        # The cache over the pool's pages, with a window-ring slot for each running request.
-        cache = self.model.allocate_kv_cache(self.pool, config.max_num_seqs, config.kv_cache_dtype)
+        # The cache over the pool's pages, with a window-ring slot for each running request (and one for the
+        # graphs' padding rows).
+        cache = self.model.allocate_kv_cache(self.pool, config.max_num_seqs + graphs, config.kv_cache_dtype)
         self.kv_cache_dtype = cache.kv_dtype
-        cuda = self.device.type == "cuda"
-        free, total = torch.cuda.mem_get_info(self.device) if cuda else (None, None)
-        self.memory = MemoryReport(total, free, weights_bytes, cache.bytes, 0 if cuda else None)
         log.info(
             "boot_stage",
             stage="kv_alloc",
@@ -108,20 +117,39 @@ class ModelRunner:
             kv_capacity_tokens=self.pool.capacity_tokens,
             kv_bytes=cache.bytes,
             kv_cache_dtype=self.kv_cache_dtype,
+            workspace_bytes=self.workspace_bytes,
+            graph_reserve_bytes=self.graph_reserve_bytes,
             pinned_host_memory=self.pin_memory,
         )
-        # CUDA graphs come with the kernels' decode path; until then every step runs eagerly.
-        log.info("boot_stage", stage="graph_capture", seconds=0.0, skipped="eager" if cuda else "cpu")
 
-    def _cuda_pool_pages(self, weights_bytes: int) -> int:
+        started = time.monotonic()
+        self.graphs: DecodeGraphs | None = None
+        graph_bytes = 0 if cuda else None
+        if graphs:
+            free_before, reserved_before = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved()
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(self.model, config.cuda_graph_max_bs, self.layout.pages_for(context_length),
+                                           pad_slot=cache.take_slot())  # fmt: skip
+            # The graphs' private memory pool takes segments of its own; the driver's free count may not move
+            # when cached segments are reused.
+            graph_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0],
+                              torch.cuda.memory_reserved() - reserved_before)  # fmt: skip
+            log.info("boot_stage", stage="graph_capture", seconds=_since(started), batch_sizes=self.graphs.sizes,
+                     bytes=graph_bytes)  # fmt: skip
+        else:
+            log.info("boot_stage", stage="graph_capture", seconds=0.0, skipped="enforce_eager" if cuda else "cpu")
+        free, total = torch.cuda.mem_get_info(self.device) if cuda else (None, None)
+        self.memory = MemoryReport(total, free, weights_bytes, cache.bytes, graph_bytes)
+
+    def _cuda_pool_pages(self, weights_bytes: int, graphs: bool) -> int:
         config = self.config
-        workspace = self._peak_workspace_bytes()
-        graph_bytes = 0
+        workspace, graph_bytes = self._peak_workspace_bytes(graphs)
+        self.workspace_bytes, self.graph_reserve_bytes = workspace, graph_bytes
         free, total = torch.cuda.mem_get_info(self.device)
         budget = config.gpu_memory_utilization * total - (weights_bytes + graph_bytes + workspace)
-        # Other processes may hold memory too: never plan past what is free now, less the workspace steps need.
-        budget = min(budget, free - workspace)
-        fixed = config.max_num_seqs * self.layout.per_sequence_state_bytes
+        # Other processes may hold memory too: never plan past what is free now, less what steps and graphs need.
+        budget = min(budget, free - workspace - graph_bytes)
+        fixed = (config.max_num_seqs + graphs) * self.layout.per_sequence_state_bytes
         fit = int((budget - fixed) // self.layout.bytes_per_page)
         pages = config.num_kv_pages or fit
         if pages < 1 or pages > fit:
@@ -129,29 +157,46 @@ class ModelRunner:
                 f"the KV pool does not fit: {pages} pages of {self.layout.bytes_per_page} B asked, room for {fit} "
                 f"(gpu_memory_utilization {config.gpu_memory_utilization} of {total} B, weights {weights_bytes} B, "
                 f"peak workspace {workspace} B for max_num_batched_tokens {config.max_num_batched_tokens}, "
+                f"{graph_bytes} B for CUDA graphs up to batch {config.cuda_graph_max_bs}, "
                 f"{fixed} B of per-request state for max_num_seqs {config.max_num_seqs}, {free} B free)"
             )
         return pages
 
     @torch.inference_mode()
-    def _peak_workspace_bytes(self) -> int:
-        """Peak memory of one step of the largest admitted shape, a `max_num_batched_tokens` prefill, over a
-        cache just big enough for it (replaced by the real one right after)."""
+    def _peak_workspace_bytes(self, graphs: bool) -> tuple[int, int]:
+        """Peak memory of one step of the largest admitted shape, a `max_num_batched_tokens` prefill, and (when
+        graphs are captured) of a decode step of the largest captured batch at the widest page table, over a cache
+        just big enough (replaced by the real one right after)."""
         n, config = self.config.max_num_batched_tokens, self.config
         self.model.allocate_kv_cache(PagePool(self.layout.pages_for(n), config.page_size), 1, config.kv_cache_dtype)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        state = self.model.new_state()
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        streams = self.model(ForwardBatch(ids, torch.arange(n, device=self.device), [state], [n]))
-        self.model.logits(streams[-config.max_num_seqs :])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        self.model.release_state(state)
-        del ids, streams
+
+        def peak_of(step) -> int:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            step()
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - before
+
+        def prefill() -> None:
+            state = self.model.new_state()
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            streams = self.model(ForwardBatch(ids, torch.arange(n, device=self.device), [state], [n]))
+            self.model.logits(streams[-config.max_num_seqs :])
+            self.model.release_state(state)
+
+        def decode() -> None:  # every row at position 0 of slot 0, as the graphs' padding rows run
+            bs = capture_sizes(config.cuda_graph_max_bs)[-1]
+            batch = ForwardBatch(torch.zeros(bs, dtype=torch.long, device=self.device),
+                                 torch.zeros(bs, dtype=torch.long, device=self.device), [], [1] * bs)  # fmt: skip
+            table = torch.zeros(bs, self.layout.pages_for(self.context_length), dtype=torch.int32, device=self.device)
+            batch.set_tables(table, torch.zeros(bs, dtype=torch.int32, device=self.device))
+            self.model.logits(self.model.run_layers(batch))
+
+        workspace = peak_of(prefill)
+        graph_bytes = peak_of(decode) if graphs else 0
         torch.cuda.empty_cache()
-        return peak
+        return workspace, graph_bytes
 
     def release(self, state: SequenceState) -> None:
         """A finished or preempted request gives its cache slot (and pages) back."""
@@ -177,21 +222,35 @@ class ModelRunner:
             states.append(seq.state)
             lens.append(item.num_tokens)
         batch = ForwardBatch(self._to_device(ids), self._to_device(positions), states, lens)
-        streams = self.model(batch)
+        self.model.prepare(batch)
         sampling = [item.completes_prompt for item in work]
-        last_rows = [batch.starts[i] + lens[i] - 1 for i, s in enumerate(sampling) if s]
-        logits = self.model.logits(streams[last_rows]).cpu() if last_rows else None
-        results, row = [], 0
+        if self.graphs is not None and self.graphs.fits(batch):
+            # A one-token chunk of a longer prompt also runs as a decode row; it does not sample.
+            logits = self.graphs.replay(batch)[[i for i, s in enumerate(sampling) if s]]
+        else:
+            streams = self.model.run_layers(batch)
+            last_rows = [batch.starts[i] + lens[i] - 1 for i, s in enumerate(sampling) if s]
+            logits = self.model.logits(streams[last_rows]) if last_rows else None
+        self.model.advance(batch)
+        sampled = [item.seq for item, samples in zip(work, sampling, strict=True) if samples]
+        choices = iter(self._sample(logits, sampled) if sampled else [])
+        results = []
         for item, samples in zip(work, sampling, strict=True):
             item.seq.num_computed += item.num_tokens
-            if samples:
-                seq = item.seq
-                remaining = seq.params.max_tokens - len(seq.output_ids)
-                results.append(sample(logits[row], seq.params, seq.generator, remaining))
-                row += 1
-            else:
-                results.append(None)
+            results.append(next(choices) if samples else None)
         return results
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list) -> list[tuple[int, TokenLogprob | None]]:
+        """One token per row of `logits` [M, vocab]. Plain greedy batches take the argmax on the device and copy
+        M ids back instead of M x vocab logits."""
+        if all(seq.params.greedy and seq.params.constraint is None and seq.params.logprobs is None for seq in seqs):
+            return [(token, None) for token in logits.argmax(dim=-1).tolist()]
+        logits = logits.cpu()
+        return [
+            sample(logits[row], seq.params, seq.generator, seq.params.max_tokens - len(seq.output_ids))
+            for row, seq in enumerate(seqs)
+        ]
 
 
 def _since(started: float) -> float:

@@ -181,11 +181,15 @@ class ModelKVCache:
     def free_slot(self, slot: int) -> None:
         self._free_slots.append(slot)
 
-    @property
-    def bytes(self) -> int:
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds: rows, index keys and compressor states."""
         tensors = []
         for layer in self.layers:
             tensors += [layer.ring.storage, *(t.storage for t in (layer.comp, layer.index) if t is not None)]
             for state in (layer.comp_state, layer.index_state):
                 tensors += list(state or ())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return tensors
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -33,14 +33,13 @@ def _block_scales(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
 
 
 def _round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest e2m1 value (ties to the even code), keeping the sign; |x| <= 6 expected."""
-    values = E2M1_VALUES.to(x.device, x.dtype)
+    """Round to the nearest e2m1 value (ties to the even code), keeping the sign; |x| <= 6 expected. The values are
+    0, 0.5, ..., 2 (step 0.5), 3, 4 (step 1) and 6 (step 2), and in each range a value's code has the parity of its
+    multiple of the step, so round-half-to-even on the multiple is exact: no table to copy to the device (which a
+    CUDA graph capture forbids)."""
     mag = x.abs()
-    midpoints = (values[1:] + values[:-1]) / 2
-    idx = torch.bucketize(mag, midpoints, right=True)  # the nearest value; an exact tie lands on the upper one
-    tie = (idx > 0) & (mag == midpoints[(idx - 1).clamp_min(0)])
-    idx = torch.where(tie & (idx % 2 == 1), idx - 1, idx)  # of the two tied codes, take the even one
-    return torch.copysign(values[idx], x)
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0)).to(x.dtype)
+    return torch.copysign(torch.round(mag / step) * step, x)
 
 
 def _working(x: torch.Tensor) -> torch.Tensor:

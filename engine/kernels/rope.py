@@ -1,8 +1,25 @@
-"""DeepSeek-V4's RoPE (reference §5.1): the last `rope_dim` channels rotate in interleaved pairs (2i, 2i+1)."""
+"""DeepSeek-V4's RoPE (reference §5.1): the last `rope_dim` channels rotate in interleaved pairs (2i, 2i+1).
+
+Plain torch spends about fifteen launches on one rotation (angles, cos, sin, slices, products, stack, cast, cat),
+about twenty with q's per-head RMS norm before it. The Triton kernel is one launch, and takes that step too:
+the q norm (`rms_rope`), or the cast of the attention output to the model dtype before it is rotated back
+(`rope(..., inverse=True, dtype=)`).
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.dispatch import use_triton
+from engine.kernels.norm import rms_normalize, rows_per_program
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, rope_dim / 2] of positions [N] times each pair's frequency, in fp32."""
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -14,3 +31,102 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def rope_reference(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [N, ..., D] cast to `dtype` (default its own), its last 2 * len(inv_freq) channels rotated by
+    positions [N] (or back, with inverse)."""
+    cos, sin = rope_angles(positions, inv_freq)
+    return rotate_interleaved(x.to(dtype or x.dtype), cos, -sin if inverse else sin)
+
+
+def rms_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    """The q path: each head of x [N, H, D] divided by its rms (in x's dtype), then rotated by positions [N]."""
+    cos, sin = rope_angles(positions, inv_freq)
+    return rotate_interleaved(rms_normalize(x, eps), cos, sin)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, pos_ptr, inv_freq_ptr, out_ptr, rows, rows_per_token, eps,
+    D: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    NORMALIZE: tl.constexpr, INVERSE: tl.constexpr,
+):  # fmt: skip
+    """Rows of D channels, as even / odd pairs; rows_per_token rows share a position."""
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.arange(0, BLOCK_P)
+    live = row < rows
+    mask = live[:, None] & (pair[None, :] < D // 2)
+    even_offs = row[:, None].to(tl.int64) * D + 2 * pair[None, :]
+    even = tl.load(x_ptr + even_offs, mask=mask, other=0.0)
+    odd = tl.load(x_ptr + even_offs + 1, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    if NORMALIZE:  # as rms_normalize: the fp32 1/rms is rounded to x's dtype, and so is the product
+        e, o = even.to(tl.float32), odd.to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(e * e, axis=1) + tl.sum(o * o, axis=1)) / D + eps)
+        inv_rms = inv_rms.to(dtype).to(tl.float32)[:, None]
+        even, odd = (e * inv_rms).to(dtype), (o * inv_rms).to(dtype)
+    else:
+        even, odd = even.to(dtype), odd.to(dtype)
+    first_rope_pair: tl.constexpr = (D - ROPE) // 2
+    is_rope = (pair >= first_rope_pair) & (pair < D // 2)
+    freq = tl.load(inv_freq_ptr + pair - first_rope_pair, mask=is_rope, other=0.0)
+    position = tl.load(pos_ptr + row // rows_per_token, mask=live, other=0).to(tl.float32)
+    angle = position[:, None] * freq[None, :]
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    if INVERSE:
+        sin = -sin
+    e, o = even.to(tl.float32), odd.to(tl.float32)
+    even = tl.where(is_rope[None, :], (e * cos - o * sin).to(dtype), even)
+    odd = tl.where(is_rope[None, :], (e * sin + o * cos).to(dtype), odd)
+    tl.store(out_ptr + even_offs, even, mask=mask)
+    tl.store(out_ptr + even_offs + 1, odd, mask=mask)
+
+
+def _rope_launch(x, positions, inv_freq, eps, dtype, normalize: bool, inverse: bool) -> torch.Tensor:
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
+    out = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    block_m = rows_per_program(rows.shape[0], dim)
+    _rope_kernel[(triton.cdiv(rows.shape[0], block_m),)](
+        rows, positions, inv_freq, out, rows.shape[0], rows.shape[0] // positions.shape[0], eps,
+        D=dim, ROPE=2 * inv_freq.shape[0], BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(dim // 2),
+        NORMALIZE=normalize, INVERSE=inverse,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def rope_triton(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return _rope_launch(x, positions, inv_freq, 0.0, dtype or x.dtype, normalize=False, inverse=inverse)
+
+
+def rms_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rope_launch(x, positions, inv_freq, eps, x.dtype, normalize=True, inverse=False)
+
+
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    inverse: bool = False,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    impl = rope_triton if use_triton(x.device) else rope_reference
+    return impl(x, positions, inv_freq, inverse, dtype)
+
+
+def rms_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    impl = rms_rope_triton if use_triton(x.device) else rms_rope_reference
+    return impl(x, positions, inv_freq, eps)

@@ -19,10 +19,11 @@ from engine.cache.kv_cache import LayerKV
 from engine.kernels.compressor import compressor_decode_step, finish_rows, pool_windows
 from engine.kernels.indexer import indexer_logits
 from engine.kernels.quant import simulate_index_fp4, simulate_kv_row_fp8
+from engine.kernels.rope import rms_rope, rope
 from engine.kernels.sparse_attention import attend_with_sink, sparse_decode_attention
 from engine.kernels.topk import topk_slots
 from engine.model.args import ModelArgs
-from engine.model.layers import RMSNorm, Rotary, rms_normalize
+from engine.model.layers import RMSNorm, Rotary
 from engine.model.state import ForwardBatch
 
 
@@ -122,8 +123,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         pos = batch.positions
         qr = self.q_norm(self.wq_a(x))
-        q = rms_normalize(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), self.eps)
-        q = self.rotary(q, pos)
+        # per-head RMS norm (weightless), then RoPE on the last rope_dim channels
+        q = rms_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
         kv = self.rotary(self.kv_norm(self.wkv(x)), pos)
         if self.quant_sim:
             kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
@@ -139,7 +140,8 @@ class Attention(nn.Module):
                 r = batch.rows(i)
                 parts.append(self._prefill(q[r], kv[r], {k: (a[r], b[r]) for k, (a, b) in proj.items()}, pos[r], seq))
             out = torch.cat(parts)
-        o = self.rotary(out.to(x.dtype), pos, inverse=True)  # values carried RoPE: rotate back to the query
+        # values carried RoPE: cast to the model dtype and rotate back to the query position
+        o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         return self.wo_b(torch.einsum("ngd,grd->ngr", o, wo_a).flatten(1))

@@ -108,6 +108,14 @@ class DeepseekV4(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch's tokens through every layer; returns the residual streams [N, hc, D] and advances each
         request's state."""
+        self.prepare(batch)
+        streams = self.run_layers(batch)
+        self.advance(batch)
+        return streams
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """The host's part of a step: grow each request's pages to cover its new tokens and hand the layers the
+        device-side page table and slots."""
         device = batch.input_ids.device
         for seq, start, n in zip(batch.states, batch.starts, batch.lens, strict=True):
             first = int(batch.positions[start])
@@ -118,19 +126,22 @@ class DeepseekV4(nn.Module):
         table = torch.zeros(len(batch.states), width, dtype=torch.int32)
         for i, seq in enumerate(batch.states):
             table[i, : len(seq.table.pages)] = torch.tensor(seq.table.pages, dtype=torch.int32)
-        batch.page_table = table.to(device)
-        batch.slots = torch.tensor([seq.slot for seq in batch.states], dtype=torch.int32, device=device)
-        batch.decoding = all(n == 1 for n in batch.lens)
-        if batch.decoding:
-            batch.positions_i32 = batch.positions.int()
+        batch.set_tables(table.to(device), torch.tensor([seq.slot for seq in batch.states], dtype=torch.int32,
+                                                        device=device))  # fmt: skip
+
+    def run_layers(self, batch: ForwardBatch) -> torch.Tensor:
+        """The device's part: embed, every block, the residual streams [N, hc, D]. A decode batch runs without a
+        host sync or a data-dependent shape, so it can be captured in a CUDA graph (engine/cuda_graphs.py)."""
         h = self.embed(batch.input_ids)
         streams = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, batch)
-        for i, seq in enumerate(batch.states):
-            seq.num_tokens += batch.lens[i]
-            seq.last_streams = streams[batch.starts[i] + batch.lens[i] - 1]
         return streams
+
+    @staticmethod
+    def advance(batch: ForwardBatch) -> None:
+        for seq, n in zip(batch.states, batch.lens, strict=True):
+            seq.num_tokens += n
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """[M, hc, D] streams -> [M, vocab] fp32 logits."""

@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-from engine.kernels.rope import rotate_interleaved
+from engine.kernels.norm import rms_norm
+from engine.kernels.rope import rope
 from engine.model.args import YarnScaling
 
 
@@ -20,12 +21,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms_normalize(x.float(), self.eps)).to(x.dtype)
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension, without a weight (per-head q norm, mHC input scale)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -58,11 +54,6 @@ class Rotary(nn.Module):
         self.rope_dim = rope_dim
         self.register_buffer("inv_freq", rope_inv_freq(rope_dim, theta, yarn), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        return angles.cos(), angles.sin()
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D] with positions [N]; returns a new tensor, rope channels rotated (or un-rotated)."""
-        cos, sin = self.cos_sin(positions)
-        return rotate_interleaved(x, cos, -sin if inverse else sin)
+        return rope(x, positions, self.inv_freq, inverse)

@@ -16,6 +16,7 @@ from engine.kernels.quant import dequantize_fp4_weight, dequantize_fp8_weight
 from engine.model.args import ModelArgs
 from engine.model.checkpoint_names import canonical_name, internal_to_official, official_to_hf, routed_expert_part
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.random_init import randomize
 
 log = structlog.get_logger(__name__)
 
@@ -77,9 +78,23 @@ def load_model(
     device: str | torch.device = "cpu",
     quant_sim: bool = True,
     progress: Progress | None = None,
+    load_format: str = "auto",
 ) -> DeepseekV4:
+    """`load_format` "dummy": the directory's config.json with seeded random weights made on `device`."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_model_dir(model_dir)
+    if load_format == "dummy":
+        # Made in `dtype` from the start (those kept in fp32 say so themselves): at V4-Flash widths an fp32 model
+        # would not fit beside the bf16 one.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = randomize(DeepseekV4(args, quant_sim=quant_sim), seed=0).cast(dtype)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        log.info("weights_loaded", model=str(model_dir), load_format="dummy")
+        return model.eval()
     shards = _Shards(model_dir)
     if args.num_nextn_predict_layers and not any(name.startswith("mtp.") for name in shards.where):
         # transformers drops MTP tensors when it saves; such a checkpoint serves without MTP.

@@ -4,14 +4,9 @@ routing with bias-only selection after; clamped SwiGLU experts, routing weight a
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
+from engine.kernels.moe import moe_experts, route, swiglu
 
 
 class Gate(nn.Module):
@@ -28,14 +23,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        scores = torch.sqrt(F.softplus(x.float() @ self.weight.float().T))  # routing in fp32, as the reference
-        if self.tid2eid is not None:
-            ids = self.tid2eid[input_ids]
-        else:
-            # The bias only steers which experts are chosen; the weights come from the unbiased scores.
-            ids = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale, ids
+        logits = x.float() @ self.weight.float().T  # routing in fp32, as the reference
+        return route(logits, self.bias, self.tid2eid, input_ids, self.top_k, self.route_scale)
 
 
 class Experts(nn.Module):
@@ -49,18 +38,15 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Reference: loop over the experts that were picked; each token's picks accumulate in fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
-            token, slot = torch.where(ids == e)
-            xe = x[token]
-            h = swiglu((xe @ self.w1[e].T).float(), (xe @ self.w3[e].T).float(), self.limit)
-            h = h * weights[token, slot, None]
-            out.index_add_(0, token, (h.to(x.dtype) @ self.w2[e].T).float())
-        return out
+        """[N, D] fp32: the grouped GEMM on CUDA, the reference's loop over picked experts elsewhere."""
+        return moe_experts(x, weights, ids, self.w1, self.w3, self.w2, self.limit)
 
 
 class SharedExpert(nn.Module):
+    """Every token, weight 1: dense matmuls (cuBLAS streams the three matrices at full bandwidth). It stays out of the
+    grouped GEMM because its weights are separate tensors and, in V4-Flash checkpoints, in another format (FP8) than
+    the routed experts (FP4)."""
+
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
         self.limit = limit

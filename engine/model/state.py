@@ -20,8 +20,6 @@ class SequenceState:
     slot: int
     table: PageTable
     num_tokens: int = 0
-    # Last processed position's pre-head residual streams [hc, D]: the MTP layer's input for drafting.
-    last_streams: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,6 +43,13 @@ class ForwardBatch:
         for n in self.lens:
             self.starts.append(offset)
             offset += n
+
+    def set_tables(self, page_table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Device-side tables for the layers; a batch of one token per request takes the kernels' decode path."""
+        self.page_table, self.slots = page_table, slots
+        self.decoding = all(n == 1 for n in self.lens)
+        if self.decoding:
+            self.positions_i32 = self.positions.int()
 
     def rows(self, i: int) -> slice:
         return slice(self.starts[i], self.starts[i] + self.lens[i])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from engine.logging import configure_logging
 from engine.model.args import ModelArgs
 from engine.model.checkpoint_names import internal_to_official, official_to_hf, routed_expert_part
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.random_init import randomize
 from engine.tools.tiny_tokenizer import save_tiny_tokenizer
 
 SEED = 20260430
@@ -76,36 +76,7 @@ TINY_CONFIG = {
 
 def random_tiny_model(seed: int = SEED) -> DeepseekV4:
     """The tiny model with seeded random weights in fp32."""
-    args = ModelArgs.from_config(TINY_CONFIG)
-    model = DeepseekV4(args)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(_initial_value(name, param, gen))
-        for name, buf in model.named_buffers():
-            if name.endswith("tid2eid"):  # each token routes to k distinct experts
-                perms = torch.stack([torch.randperm(args.n_routed_experts, generator=gen) for _ in range(buf.shape[0])])
-                buf.copy_(perms[:, : buf.shape[1]])
-    return model
-
-
-def _initial_value(name: str, param: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(param.shape, generator=gen) * std + mean
-
-    leaf = name.rsplit(".", 1)[-1]
-    if name.endswith("norm.weight"):
-        return normal(0.1, 1.0)
-    if leaf == "attn_sink" or leaf == "ape" or name.endswith("gate.bias"):
-        return normal(0.5)
-    if ".hc_" in f".{name}" and leaf == "base":
-        return normal(0.5)
-    if leaf == "scale":
-        return normal(0.1, 1.0)
-    if name == "embed.weight":
-        return normal(1.0)
-    # Matrices: unit-variance outputs for unit-variance inputs, so activations stay O(1) through the depth.
-    return normal(1.0 / math.sqrt(param.shape[-1]))
+    return randomize(DeepseekV4(ModelArgs.from_config(TINY_CONFIG)), seed)
 
 
 def official_state_dict(model: DeepseekV4) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.cache.pool import PagePool
 from engine.kernels.quant import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from engine.model.args import ModelArgs, ModelConfigError
 from engine.model.checkpoint_names import internal_to_official, routed_expert_part
@@ -137,3 +138,21 @@ def test_loading_reports_progress(tiny_dir):
     seen = []
     load_model(tiny_dir, dtype=torch.float32, progress=lambda done, total: seen.append((done, total)))
     assert seen[0][0] == 1 and seen[-1][0] == seen[-1][1] == len(seen)
+
+
+def test_dummy_load_format_makes_seeded_weights_from_the_config_alone(tiny_dir, tmp_path):
+    """`load_format=dummy` needs only config.json: the model's shapes and fp32-kept parameters, seeded random
+    weights (the same each time), hash rows of distinct experts, and a forward that gives finite logits."""
+    shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
+    loaded = load_model(tiny_dir, dtype=torch.bfloat16)
+    first = load_model(tmp_path, dtype=torch.bfloat16, load_format="dummy")
+    second = load_model(tmp_path, dtype=torch.bfloat16, load_format="dummy")
+    for (name, real), (_, made), (_, again) in zip(
+        loaded.state_dict().items(), first.state_dict().items(), second.state_dict().items(), strict=True
+    ):
+        assert (made.shape, made.dtype) == (real.shape, real.dtype), name
+        assert torch.equal(made, again), name
+    tid2eid = first.layers[0].ffn.gate.tid2eid
+    assert all(len(set(row)) == tid2eid.shape[1] for row in tid2eid.tolist())
+    first.allocate_kv_cache(PagePool(4, 256), 1)
+    assert torch.isfinite(prefill_logits(first, torch.arange(2, 40))).all()
