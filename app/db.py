@@ -225,6 +225,48 @@ MIGRATIONS: tuple[Migration, ...] = (
                 error TEXT)""",
         ),
     ),
+    Migration(
+        4,
+        "agent keys, route usage, alerts",
+        (
+            """CREATE TABLE agent_key (
+                id INTEGER PRIMARY KEY,
+                name TEXT NOT NULL,
+                key_sha256 TEXT NOT NULL UNIQUE,
+                created_at TIMESTAMP NOT NULL,
+                created_by TEXT NOT NULL,
+                last_used_at TIMESTAMP,
+                revoked_at TIMESTAMP,
+                revoked_by TEXT)""",
+            # A revoked key keeps its name in the record; a new key may take the name again.
+            "CREATE UNIQUE INDEX ux_agent_key_live_name ON agent_key (name) WHERE revoked_at IS NULL",
+            """CREATE TABLE route_usage (
+                id INTEGER PRIMARY KEY,
+                key_id INTEGER REFERENCES agent_key (id),
+                caller TEXT NOT NULL,
+                profile TEXT NOT NULL,
+                requests INTEGER NOT NULL,
+                errors INTEGER NOT NULL,
+                latency_sum_s FLOAT NOT NULL,
+                latency_max_s FLOAT NOT NULL,
+                latency_buckets JSON NOT NULL,
+                last_at TIMESTAMP NOT NULL)""",
+            "CREATE INDEX ix_route_usage_key_id ON route_usage (key_id)",
+            """CREATE TABLE alert (
+                id INTEGER PRIMARY KEY,
+                at TIMESTAMP NOT NULL,
+                level TEXT NOT NULL CHECK (level IN ('warning', 'error')),
+                profile TEXT,
+                message TEXT NOT NULL,
+                acknowledged_at TIMESTAMP,
+                acknowledged_by TEXT)""",
+        ),
+    ),
+    Migration(
+        5,
+        "engine runs an operator stopped",
+        ("ALTER TABLE engine_run ADD COLUMN keep_stopped BOOLEAN NOT NULL DEFAULT 0",),
+    ),
 )
 
 SCHEMA_VERSION_DDL = """CREATE TABLE IF NOT EXISTS schema_version (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import structlog
@@ -24,7 +25,7 @@ from sqlmodel import Session
 from app.audit.controller import AuditController
 from app.audit.pages import AuditPages
 from app.auth.controller import OperatorController
-from app.auth.middleware import API_PREFIX, AuthenticationMiddleware
+from app.auth.middleware import API_PREFIX, ROUTE_PREFIX, AuthenticationMiddleware
 from app.auth.pages import SignInController
 from app.auth.service import CSRF_SECRET, appliance_secret, bootstrap_admin
 from app.console import console_router
@@ -43,11 +44,16 @@ from app.profiles.service import ProfileService
 from app.promotion.controller import DecisionController, RouteController
 from app.promotion.pages import RoutePages
 from app.promotion.service import Promoter
+from app.promotion.smoke import route_smoke
 from app.qualification.controller import QualificationController
 from app.qualification.ladder import Qualifier
 from app.qualification.pages import QualificationPages
 from app.qualification.settings import load_qualification_settings
 from app.qualification.slot import EngineSlot
+from app.route.controller import AgentController, KeyController, RouteApiController
+from app.route.pages import AgentPages
+from app.route.proxy import AgentRoute
+from app.route.watch import ProductionWatch
 from app.settings import Settings, load_settings
 from app.telemetry.controller import TelemetryController
 from app.telemetry.gpus import Gpus, NvmlGpus
@@ -98,7 +104,9 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
     qualification = load_qualification_settings()
     slot = EngineSlot(engine, supervisor, settings.engine_boot_timeout_s)
     qualifier = Qualifier(settings, qualification, engine, slot, gpus)
-    promoter = Promoter(settings, qualification, engine, slot)
+    route = AgentRoute(settings, engine, supervisor, slot)
+    promoter = Promoter(settings, qualification, engine, slot, smoke=functools.partial(route_smoke, route))
+    watch = ProductionWatch(settings, engine, slot, promoter, route)
 
     def start_background_work() -> None:
         supervisor.recover()
@@ -106,9 +114,12 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         promoter.recover()
         checkpoint.ensure(settings.make_tiny)
         telemetry.start()
+        watch.start()
 
     def stop_background_work() -> None:
-        # Runs and switches first: they stop between steps; then the engine goes with the console.
+        # The watch first (it would restart what stops), then runs and switches: they stop between steps; then the
+        # engine goes with the console.
+        watch.shutdown()
         qualifier.shutdown()
         promoter.shutdown()
         supervisor.shutdown()
@@ -147,18 +158,21 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             QualificationController,
             EngineController,
             TelemetryController,
+            AgentController,
+            KeyController,
+            RouteApiController,
             console_router(
-                [SignInController, DashboardPages, ProfilePages, QualificationPages, RoutePages, AuditPages]
+                [SignInController, DashboardPages, ProfilePages, QualificationPages, RoutePages, AgentPages, AuditPages]
             ),
             create_static_files_router(path="/static", directories=[STATIC_DIR], include_in_schema=False),
         ],
         dependencies={"db_session": Provide(session_provider(engine))},
         middleware=[RequestLogMiddleware(), AuthenticationMiddleware(engine)],
-        # The API authenticates by bearer token only (never the cookie), so cross-site forms cannot ride on it;
-        # probes, the schema and static files take no form.
+        # The API and the agent route authenticate by bearer token only (never the cookie), so cross-site forms
+        # cannot ride on them; probes, the schema and static files take no form.
         csrf_config=CSRFConfig(
             secret=csrf_secret,
-            exclude=[f"^{API_PREFIX}", "^/(healthz|readyz|schema|static)(/|$)"],
+            exclude=[f"^{API_PREFIX}", f"^{ROUTE_PREFIX}", "^/(healthz|readyz|schema|static)(/|$)"],
             cookie_httponly=True,
         ),
         template_config=TemplateConfig(directory=TEMPLATES_DIR, engine=JinjaTemplateEngine),
@@ -167,7 +181,12 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             title="Flashgate console",
             version="1",
             path="/schema",
-            components=Components(security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}),
+            components=Components(
+                security_schemes={
+                    "bearer": SecurityScheme(type="http", scheme="bearer", description="an operator token (/api)"),
+                    "agentKey": SecurityScheme(type="http", scheme="bearer", description="an agent key (/v1)"),
+                }
+            ),
             security=[{"bearer": []}],
         ),
         state=State(
@@ -178,10 +197,13 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
                 "checkpoint": checkpoint,
                 "qualifier": qualifier,
                 "promoter": promoter,
+                "route": route,
+                "watch": watch,
             }
         ),
-        on_startup=[start_background_work],
-        on_shutdown=[stop_background_work, engine.dispose],
+        # The route opens first: the switches and the watch call through it.
+        on_startup=[route.open, start_background_work],
+        on_shutdown=[stop_background_work, route.close, engine.dispose],
         # Our structlog setup (app/logging.py) handles every log line; Litestar's own config would replace it.
         logging_config=None,
         after_exception=[log_unexpected_error],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,21 @@ class Settings:
     docker_engine_host: str
     # The build id the console shows (footer, /healthz header); the engine reports the same in /server_info.
     build: str
+    # The agent route: the one model id agents use whichever profile serves, the Retry-After it answers while no
+    # production engine is ready, how long it waits between an engine's bytes, and the URL clients are told to use
+    # (unset: the URL the operator reached the console at).
+    route_alias: str
+    route_retry_after_s: int
+    route_read_timeout_s: float
+    public_url: str | None
+    # The production watch: how often it checks health and sends a canary completion, how long the canary may take,
+    # and how many restarts within the window it tries before rolling back to the last known good.
+    watch_interval_s: float
+    watch_canary_timeout_s: float
+    watch_restarts: int
+    watch_window_s: float
+    # At console start, start the production profile again unless an operator stopped it (app/route/watch.py).
+    resume_production: bool
 
     @property
     def database_path(self) -> Path:
@@ -64,6 +80,15 @@ def _positive(env: dict[str, str], name: str, default: str, kind: type[int] | ty
         value = 0
     if value <= 0:
         raise ValueError(f"{name} must be a positive {'whole ' if kind is int else ''}number, got {raw!r}")
+    return value
+
+
+def _alias(value: str) -> str:
+    """The served-model alias goes into clients' configuration files and URLs: a plain identifier."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}", value):
+        raise ValueError(
+            f"FLASHGATE_ROUTE_ALIAS must be letters, digits, '.', '_', ':' or '-' (at most 128), got {value!r}"
+        )
     return value
 
 
@@ -111,4 +136,13 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         docker_container=env.get("FLASHGATE_DOCKER_CONTAINER", "flashgate-engine"),
         docker_engine_host=env.get("FLASHGATE_DOCKER_ENGINE_HOST", "engine"),
         build=build_id(env),
+        route_alias=_alias(env.get("FLASHGATE_ROUTE_ALIAS", "deepseek-v4-flash")),
+        route_retry_after_s=_positive(env, "FLASHGATE_ROUTE_RETRY_AFTER_S", "5", int),
+        route_read_timeout_s=_positive(env, "FLASHGATE_ROUTE_READ_TIMEOUT_S", "900", float),
+        public_url=(env.get("FLASHGATE_PUBLIC_URL") or "").rstrip("/") or None,
+        watch_interval_s=_positive(env, "FLASHGATE_WATCH_INTERVAL_S", "15", float),
+        watch_canary_timeout_s=_positive(env, "FLASHGATE_WATCH_CANARY_TIMEOUT_S", "60", float),
+        watch_restarts=_positive(env, "FLASHGATE_WATCH_RESTARTS", "3", int),
+        watch_window_s=_positive(env, "FLASHGATE_WATCH_WINDOW_S", "900", float),
+        resume_production=_flag(env.get("FLASHGATE_RESUME_PRODUCTION")) is not False,
     )

@@ -28,25 +28,32 @@ class DecodeGraphs:
         # Static inputs: each replay reads its batch from here.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions_i32 = torch.zeros(n, dtype=torch.int32, device=device)
         self.slots = torch.full((n,), pad_slot, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(n, max_pages, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        pool = None
+        self.pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             batch = self._static_batch(size)
             model.logits(model.run_layers(batch))  # warm-up outside the capture: compiles the Triton kernels
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[size] = model.logits(model.run_layers(batch))
-            pool = graph.pool()
+            self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(device)
 
     def _static_batch(self, size: int) -> ForwardBatch:
         batch = ForwardBatch(self.input_ids[:size], self.positions[:size], [], [1] * size)
         batch.set_tables(self.page_table[:size], self.slots[:size])
+        batch.positions_i32 = self.positions_i32[:size]  # an input too: replays must not see capture-time values
         return batch
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the graphs' private memory pool holds (its cudaMalloc'd segments)."""
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == self.pool)
 
     def fits(self, batch: ForwardBatch) -> bool:
         return batch.decoding and len(batch.states) <= self.sizes[-1]
@@ -58,12 +65,14 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= bs)
         self.input_ids[:bs].copy_(batch.input_ids)
         self.positions[:bs].copy_(batch.positions)
+        self.positions_i32[:bs].copy_(batch.positions_i32)
         self.slots[:bs].copy_(batch.slots)
         # Entries past a request's pages are never read (kernels stop at its length), so stale ones may stay.
         self.page_table[:bs, : batch.page_table.shape[1]].copy_(batch.page_table)
         if size > bs:
             self.input_ids[bs:size].zero_()
             self.positions[bs:size].zero_()
+            self.positions_i32[bs:size].zero_()
             self.slots[bs:size].fill_(self.pad_slot)
         self.graphs[size].replay()
         return self.logits[size][:bs]

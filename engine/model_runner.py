@@ -126,14 +126,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         graph_bytes = 0 if cuda else None
         if graphs:
-            free_before, reserved_before = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved()
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(self.model, config.cuda_graph_max_bs, self.layout.pages_for(context_length),
                                            pad_slot=cache.take_slot())  # fmt: skip
-            # The graphs' private memory pool takes segments of its own; the driver's free count may not move
-            # when cached segments are reused.
-            graph_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0],
-                              torch.cuda.memory_reserved() - reserved_before)  # fmt: skip
+            graph_bytes = self.graphs.memory_bytes
             log.info("boot_stage", stage="graph_capture", seconds=_since(started), batch_sizes=self.graphs.sizes,
                      bytes=graph_bytes)  # fmt: skip
         else:

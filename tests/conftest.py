@@ -1,10 +1,14 @@
-"""Suite-wide rules: GPU tests skip without CUDA, and each marker has a time budget that the run enforces."""
+"""Suite-wide rules: GPU tests skip without CUDA, and each marker has a time budget that the run enforces. And the
+one fixture several folders share: the tiny checkpoint, made once per session."""
 
 from __future__ import annotations
 
 import collections
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +72,12 @@ def pytest_sessionfinish(session, exitstatus):
         if reporter is not None:
             for name, spent in over.items():
                 reporter.write_line(f"TIME BUDGET EXCEEDED: {name} tests took {spent:.1f}s > {BUDGETS[name]:.0f}s")
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory) -> Path:
+    """A models directory holding the tiny checkpoint, made once per session by the engine's own tool (a subprocess,
+    as the console makes it)."""
+    models = tmp_path_factory.mktemp("models")
+    subprocess.run([sys.executable, "-m", "engine.tools.make_tiny", "--out", str(models / "tiny")], check=True)
+    return models

@@ -1,5 +1,6 @@
 """Who is calling: `/api` reads a bearer token, console pages read the session cookie. A cookie never
-authenticates an API call, which is why `/api` can be exempt from CSRF checks."""
+authenticates an API call, which is why `/api` can be exempt from CSRF checks. The agent route (`/v1`) is no
+operator's: it checks agent keys itself, and neither operator tokens nor cookies count there."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from app.auth.service import Principal, authenticate
 
 SESSION_COOKIE = "flashgate_session"
 API_PREFIX = "/api/"
+ROUTE_PREFIX = "/v1/"
 
 
 def _credentials(scope: Scope) -> tuple[str, TokenKind] | None:
     connection = ASGIConnection(scope)
+    if scope["path"].startswith(ROUTE_PREFIX):
+        return None
     if scope["path"].startswith(API_PREFIX):
         scheme, _, secret = connection.headers.get("authorization", "").partition(" ")
         return (secret.strip(), TokenKind.api) if scheme.lower() == "bearer" and secret.strip() else None

@@ -79,8 +79,9 @@ class EngineController(Controller):
         checkpoint: NamedDependency[TinyCheckpoint],
     ) -> EngineRead:
         """SIGTERM, up to FLASHGATE_ENGINE_GRACE_S to finish, then a kill; answers when the engine is gone, with
-        whether the GPU memory came back. 409 when no engine runs."""
-        supervisor.stop(request.user.name)
+        whether the GPU memory came back. 409 when no engine runs. Production stopped here stays stopped when the
+        console restarts (`keep_stopped`)."""
+        supervisor.stop(request.user.name, keep_stopped=True)
         return service.engine_status(db_session, supervisor, checkpoint)
 
     @post(

@@ -46,6 +46,9 @@ class EngineRun(SQLModel, table=True):
     ready_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     stopped_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     stopped_by: str | None = None
+    # An operator's own stop (the engine controls, not a switch, a qualification run, the watch or the console's
+    # shutdown): a console restart leaves production stopped after it (app/route/watch.py).
+    keep_stopped: bool = False
     exit_code: int | None = None
     pid: int | None = None
     container: str | None = None

@@ -24,6 +24,7 @@ from app.engine_control.schemas import RunRead
 from app.engine_control.supervisor import Supervisor
 from app.errors import FieldError, InvalidFields
 from app.profiles.service import ProfileService
+from app.route.service import alerts
 from app.settings import Settings
 from app.telemetry.gpus import GIB, GpuSnapshot
 from app.telemetry.plot import Chart, line_chart
@@ -123,7 +124,8 @@ class DashboardPages(Controller):
 
     @get(DASHBOARD, sync_to_thread=True)
     def dashboard_page(self, dashboard: NamedDependency[Dashboard]) -> Template:
-        return Template("dashboard.html", context=dashboard.context())
+        # The production watch's open alerts head the page (their partial refreshes itself).
+        return Template("dashboard.html", context=dashboard.context() | {"alerts": alerts(dashboard.session)})
 
     @get(f"{DASHBOARD}/live", sync_to_thread=True)
     def live(self, dashboard: NamedDependency[Dashboard], profile: FromQuery[str | None] = None) -> Template:
@@ -140,7 +142,7 @@ class DashboardPages(Controller):
 
     @post("/engine/stop", guards=[requires_operator], status_code=HTTP_200_OK, sync_to_thread=True)
     def stop(self, request: HTMXRequest, dashboard: NamedDependency[Dashboard]) -> Response:
-        dashboard.supervisor.stop(request.user.name)
+        dashboard.supervisor.stop(request.user.name, keep_stopped=True)
         return dashboard.after_command(request)
 
     @post("/engine/restart", guards=[requires_operator], status_code=HTTP_200_OK, sync_to_thread=True)

@@ -58,6 +58,8 @@ class RunRead(msgspec.Struct, kw_only=True):
     ready_at: datetime | None
     stopped_at: datetime | None
     stopped_by: str | None
+    # An operator stopped it by hand: a console restart does not start production again after it.
+    keep_stopped: bool
     exit_code: int | None
     pid: int | None
     container: str | None

@@ -46,6 +46,7 @@ def read_run(run: EngineRun, profile: str) -> RunRead:
         ready_at=run.ready_at,
         stopped_at=run.stopped_at,
         stopped_by=run.stopped_by,
+        keep_stopped=run.keep_stopped,
         exit_code=run.exit_code,
         pid=run.pid,
         container=run.container,

@@ -37,6 +37,7 @@ from app.engine_control.models import EngineRun, RunState
 from app.engine_control.preflight import GIB, Check, failures, memory_checks, profile_checks
 from app.errors import Conflict
 from app.profiles.models import Profile
+from app.qualification.writes import writing
 from app.settings import Settings
 from app.telemetry.gpus import Gpus, GpuSnapshot, engine_gpu_indices
 from app.telemetry.service import EngineTarget
@@ -132,10 +133,11 @@ class Supervisor:
         with self._command_lock:
             return self._start(actor, profile_name)
 
-    def stop(self, actor: str) -> int:
-        """SIGTERM, the grace period, then a kill; returns when the run is closed."""
+    def stop(self, actor: str, keep_stopped: bool = False) -> int:
+        """SIGTERM, the grace period, then a kill; returns when the run is closed. `keep_stopped`: an operator's own
+        stop, after which a console restart does not start production again (a switch or a run stops to restart)."""
         with self._command_lock:
-            return self._stop(actor)
+            return self._stop(actor, keep_stopped)
 
     def restart(self, actor: str, profile_name: str | None) -> int:
         """Stop whatever runs and start `profile_name` (by default the latest run's profile). The profile is checked
@@ -151,12 +153,13 @@ class Supervisor:
             if failed := failures(checks):
                 raise Conflict(self._refusal(profile_name, failed), extra=[c.as_dict() for c in checks])
             if self._live is not None:
-                self._stop(actor)
+                # An operator's command: what it stops into another profile stays stopped across a console restart.
+                self._stop(actor, keep_stopped=True)
             return self._start(actor, profile_name)
 
     def recover(self) -> None:
         """At console start: close the runs a previous console process left live, stopping their engines."""
-        with Session(self.db) as session:
+        with writing(self.db) as session:
             for run in session.exec(select(EngineRun).where(col(EngineRun.state).in_(LIVE_STATES))):
                 what = self.driver.reclaim(run.pid, run.container, self.settings.engine_grace_s)
                 before = run.state
@@ -262,7 +265,7 @@ class Supervisor:
             gpus_before=gpus,
             gpu_indices=engine_gpu_indices(len(gpus.gpus), tp),
         )
-        with self._state_lock, Session(self.db) as session:
+        with self._state_lock, writing(self.db) as session:
             run = session.get(EngineRun, run_id)
             run.pid, run.container = handle.pid, handle.container
             session.commit()
@@ -273,11 +276,11 @@ class Supervisor:
 
     # Stopping
 
-    def _stop(self, actor: str) -> int:
+    def _stop(self, actor: str, keep_stopped: bool) -> int:
         live = self._live
         if live is None:
             raise Conflict("no engine is running")
-        if self._transition(live, RunState.stopping, actor, "engine.stop", stopped_by=actor):
+        if self._transition(live, RunState.stopping, actor, "engine.stop", stopped_by=actor, keep_stopped=keep_stopped):
             try:
                 live.handle.terminate(self.settings.engine_grace_s)
             except DriverError as exc:
@@ -289,7 +292,7 @@ class Supervisor:
 
     def _transition(self, live: LiveRun, to: RunState, actor: str, action: str, **changes: Any) -> bool:
         """Move a live run to another live state (ready, stopping); False when it has left the live states."""
-        with self._state_lock, Session(self.db) as session:
+        with self._state_lock, writing(self.db) as session:
             run = session.get(EngineRun, live.run_id)
             if run.state not in LIVE_STATES or run.state is RunState.stopping:
                 return False
@@ -300,6 +303,8 @@ class Supervisor:
             after: dict[str, Any] = {"state": to}
             if to is RunState.ready:
                 after |= {"kv_capacity_tokens": run.server_info.get("kv_capacity_tokens")}
+            elif to is RunState.stopping:
+                after |= {"keep_stopped": run.keep_stopped}
             audit.record(session, actor, action, run_target(run.id), before={"state": before}, after=after)
             session.commit()
             live.state = to
@@ -307,7 +312,7 @@ class Supervisor:
 
     def _close(self, run_id: int, state: RunState, **changes: Any) -> None:
         """Record the end of a run (stopped, crashed, failed) and free the supervisor for the next start."""
-        with self._state_lock, Session(self.db) as session:
+        with self._state_lock, writing(self.db) as session:
             run = session.get(EngineRun, run_id)
             before = run.state
             run.state, run.stopped_at = state, utcnow()
@@ -420,7 +425,7 @@ class Supervisor:
 
     def _record_stage(self, live: LiveRun, event: BootStage) -> None:
         entry = {"stage": event.stage, "seconds": event.seconds, "at": utcnow().isoformat(), "detail": event.detail}
-        with self._state_lock, Session(self.db) as session:
+        with self._state_lock, writing(self.db) as session:
             run = session.get(EngineRun, live.run_id)
             run.boot_stages = [*run.boot_stages, entry]
             session.commit()
@@ -431,7 +436,7 @@ class Supervisor:
 
     def _update(self, run_id: int, **changes: Any) -> None:
         """A plain change to a run (what it reported), not a state change."""
-        with self._state_lock, Session(self.db) as session:
+        with self._state_lock, writing(self.db) as session:
             run = session.get(EngineRun, run_id)
             for name, value in changes.items():
                 setattr(run, name, value)

@@ -21,6 +21,7 @@ from app.promotion.controller import provide_promoter
 from app.promotion.models import PromotionKind
 from app.promotion.schemas import PlanRead
 from app.promotion.service import Promoter
+from app.route.service import alerts
 
 ROUTE = "/route"
 
@@ -32,7 +33,7 @@ class RoutePages(Controller):
     @staticmethod
     def _context(session: Session, promoter: Promoter, plan: PlanRead | None = None) -> dict[str, Any]:
         names = session.exec(select(Profile.name).where(col(Profile.retired).is_(False)).order_by(Profile.name)).all()
-        return {"route": promoter.route(session), "profiles": names, "plan": plan}
+        return {"route": promoter.route(session), "profiles": names, "plan": plan, "alerts": alerts(session)}
 
     @get(ROUTE, sync_to_thread=True)
     def route_page(

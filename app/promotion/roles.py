@@ -11,9 +11,13 @@ from app.qualification.models import QualificationRun
 ROLES = ("production", "rollback", "challenger", "rejected")
 
 
+def route_row(session: Session) -> Route | None:
+    return session.get(Route, PRODUCTION)
+
+
 def roles_by_profile(session: Session) -> dict[int, list[str]]:
     roles: dict[int, list[str]] = {}
-    route = session.get(Route, PRODUCTION)
+    route = route_row(session)
     if route is not None:
         for profile_id, role in ((route.production_id, "production"), (route.rollback_id, "rollback")):
             if profile_id is not None:

@@ -36,7 +36,7 @@ from app.promotion.models import (
     Route,
     Waiver,
 )
-from app.promotion.roles import roles_by_profile
+from app.promotion.roles import roles_by_profile, route_row
 from app.promotion.schemas import (
     CheckRead,
     DecisionCreate,
@@ -46,7 +46,7 @@ from app.promotion.schemas import (
     StartabilityRead,
     StepRead,
 )
-from app.promotion.smoke import SmokeResult, engine_smoke
+from app.promotion.smoke import SmokeResult
 from app.qualification.models import GateResult, GateStatus, QualificationRun, RunStatus
 from app.qualification.service import staleness
 from app.qualification.settings import QualificationSettings
@@ -86,10 +86,6 @@ def startability(profile: Profile, models_dir: Path) -> StartabilityRead:
         reasons=failed,
         checks=[CheckRead(c.name, c.status, c.detail) for c in checks],
     )
-
-
-def route_row(session: Session) -> Route | None:
-    return session.get(Route, PRODUCTION)
 
 
 def read_promotion(session: Session, promotion: Promotion) -> PromotionRead:
@@ -133,7 +129,7 @@ class Promoter:
         qualification: QualificationSettings,
         db: Engine,
         slot: EngineSlot,
-        smoke: Callable[[str, str], SmokeResult] = engine_smoke,
+        smoke: Callable[[str], SmokeResult],
     ) -> None:
         self.settings = settings
         self.qualification = qualification
@@ -541,7 +537,7 @@ class Promoter:
             self._step(promotion_id, actor, "start", "failed", f"{target}{where}: {started.error}")
             return f"{target} did not start: {started.error}"
         self._step(promotion_id, actor, "start", "ok", f"{target} is ready (engine run #{started.engine_run_id})")
-        smoke = self.smoke(self.slot.base_url, target)
+        smoke = self.smoke(target)
         if smoke.ok and qualified_build and smoke.build != qualified_build:
             smoke = SmokeResult(
                 False, f"the engine reports build {smoke.build}; {target} qualified on {qualified_build}", smoke.build

@@ -93,8 +93,8 @@ class EngineSlot:
         return self.supervisor.driver.base_url
 
     def drain(self, timeout_s: float) -> dict[str, Any]:
-        """Wait until the engine has no request running or waiting (its own /metrics), or the timeout. The route
-        issue will stop admitting first; until then nothing new is sent by the console itself."""
+        """Wait until the engine has no request running or waiting (its own /metrics), or the timeout. The agent
+        route admits nothing new while the slot is held, so only what was in flight is waited for."""
         start = time.monotonic()
         in_flight: float | None = None
         with httpx.Client(timeout=2.0) as http:

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,9 +16,8 @@ import openai
 import pytest
 
 from engine import LLM
-from engine.tools.make_tiny import make_tiny
+from tests.support import ROOT, OutputLines, free_port, terminate
 
-ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(
     r"^engine ready: context_len=(?P<context_len>\d+) max_total_num_tokens=(?P<max_total_num_tokens>\d+) "
     r"max_num_seqs=(?P<max_num_seqs>\d+) max_num_batched_tokens=(?P<max_num_batched_tokens>\d+) "
@@ -31,12 +26,6 @@ READY = re.compile(
 BOOT_TIMEOUT_S = 120
 # The flags every test server shares: the offline oracle below runs with the same ones.
 DTYPE, CONTEXT_LENGTH = "float32", 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineServer:
@@ -55,31 +44,14 @@ class EngineServer:
         self.proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log_path.open("w"), text=True
         )
-        self.stdout: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        self.ready_line = self._wait_ready()
+        self.output = OutputLines(self.proc, log_path)
+        try:
+            self.ready_line = self.output.wait_for(lambda line: line.startswith("engine ready:"), BOOT_TIMEOUT_S)
+        except AssertionError:
+            self.proc.kill()
+            raise
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
         self.http = httpx.Client(base_url=self.url, timeout=120)
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:
-            self.stdout.put(line.rstrip("\n"))
-
-    def _wait_ready(self) -> str:
-        deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self.stdout.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the engine exited with {self.proc.returncode}:\n{self.log_path.read_text()}"
-                    ) from None
-                continue
-            if line.startswith("engine ready:"):
-                return line
-        self.proc.kill()
-        raise RuntimeError(f"no ready line within {BOOT_TIMEOUT_S} s:\n{self.log_path.read_text()}")
 
     def logs(self) -> list[dict]:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
@@ -101,21 +73,16 @@ class EngineServer:
             time.sleep(0.05)
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
+            return terminate(self.proc, timeout)
         finally:
             self.client.close()
             self.http.close()
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("models") / "tiny")
+def tiny_dir(tiny_models_dir):
+    return tiny_models_dir / "tiny"
 
 
 @pytest.fixture(scope="session")

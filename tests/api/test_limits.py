@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-
-from .conftest import ROOT, free_port
+from tests.support import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -8,17 +8,11 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 from playwright.sync_api import expect
 
-from tests.browser.conftest import ADMIN_TOKEN, ARTIFACTS, CHROMIUM
+from tests.browser.conftest import ARTIFACTS, BROWSER, sign_in
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (make browser-deps)"
-    ),
-]
+pytestmark = BROWSER
 
 
 def _requests(engine: str, stop: threading.Event) -> None:
@@ -37,9 +31,7 @@ def test_start_watch_and_stop_the_engine_from_the_dashboard(start_console, brows
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
     page.set_default_timeout(30_000)
     page.goto(f"{url}/")
-    page.get_by_label("Operator").fill("admin")
-    page.get_by_label("Token").fill(ADMIN_TOKEN)
-    page.get_by_role("button", name="Sign in").click()
+    sign_in(page)
     expect(page).to_have_url(f"{url}/dashboard")
     expect(page.locator(".engine-head")).to_contain_text("no engine has run yet")
 

@@ -3,17 +3,11 @@ context length through the htmx form, and find it in the profile list."""
 
 from __future__ import annotations
 
-import pytest
 from playwright.sync_api import expect
 
-from tests.browser.conftest import ADMIN_TOKEN, ARTIFACTS, CHROMIUM
+from tests.browser.conftest import ARTIFACTS, BROWSER, sign_in
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (make browser-deps)"
-    ),
-]
+pytestmark = BROWSER
 
 
 def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
@@ -23,9 +17,7 @@ def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
     page.set_default_timeout(10_000)
     page.goto(f"{console_url}/profiles")
     expect(page).to_have_url(f"{console_url}/signin?next=/profiles")
-    page.get_by_label("Operator").fill("admin")
-    page.get_by_label("Token").fill(ADMIN_TOKEN)
-    page.get_by_role("button", name="Sign in").click()
+    sign_in(page)
     expect(page.get_by_role("heading", name="Profiles")).to_be_visible()
     expect(page.get_by_role("row", name="cpu-demo")).to_contain_text("weights missing")
 

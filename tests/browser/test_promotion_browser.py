@@ -10,17 +10,11 @@ import re
 import time
 
 import httpx
-import pytest
 from playwright.sync_api import expect
 
-from tests.browser.conftest import ADMIN_TOKEN, ARTIFACTS, CHROMIUM
+from tests.browser.conftest import ADMIN_TOKEN, ARTIFACTS, BROWSER, sign_in
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (make browser-deps)"
-    ),
-]
+pytestmark = BROWSER
 
 A, B = "demo-1k", "demo-1k-2seqs"
 FINISHED = re.compile("passed|failed|aborted")
@@ -62,9 +56,7 @@ def test_watch_a_run_approve_it_with_waivers_and_roll_back(start_console, browse
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
     page.set_default_timeout(30_000)
     page.goto(f"{url}/signin?next=/qualifications/{run_b['id']}")
-    page.get_by_label("Operator").fill("admin")
-    page.get_by_label("Token").fill(ADMIN_TOKEN)
-    page.get_by_role("button", name="Sign in").click()
+    sign_in(page)
     expect(page).to_have_url(f"{url}/qualifications/{run_b['id']}")
 
     # Watch progress: the gate, its step and the time move without a reload.

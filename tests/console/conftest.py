@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +11,7 @@ from litestar.testing import TestClient
 
 from app.main import create_app
 from app.settings import load_settings
+from tests.support import form_csrf, sign_in
 
 ADMIN_TOKEN = "fg_test-admin-token"
 
@@ -27,7 +24,7 @@ def _page_csrf(client: TestClient, path: str) -> str:
     """The CSRF token a page embeds in its forms (its cookie is now on the client)."""
     page = client.get(path)
     assert page.status_code == 200, page.text
-    return page.text.split('name="_csrf_token" value="')[1].split('"')[0]
+    return form_csrf(page.text)
 
 
 @pytest.fixture
@@ -91,39 +88,7 @@ def operator(operator_token) -> dict[str, str]:
     return _bearer(operator_token("otto", "operator"))
 
 
-@pytest.fixture
-def sign_in(client: TestClient) -> Callable[[str, str], str]:
+@pytest.fixture(name="sign_in")
+def sign_in_fixture(client: TestClient) -> Callable[[str, str], str]:
     """Sign in through the console's form, leaving the session cookie on the client; returns a CSRF token."""
-
-    def do(name: str, token: str) -> str:
-        csrf = _page_csrf(client, "/signin")
-        response = client.post(
-            "/signin", data={"name": name, "token": token, "_csrf_token": csrf}, follow_redirects=False
-        )
-        assert response.status_code == 303, response.text
-        return csrf
-
-    return do
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range: a port the engine binds only later must not be taken meanwhile as the
-    local end of some outgoing connection (which picks from the ephemeral range)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        port = random.randrange(10_000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-
-
-@pytest.fixture(scope="session")
-def tiny_models_dir(tmp_path_factory) -> Path:
-    """A models directory holding the tiny checkpoint, made once per session by the engine's own tool (a subprocess,
-    as the console makes it)."""
-    models = tmp_path_factory.mktemp("models")
-    subprocess.run([sys.executable, "-m", "engine.tools.make_tiny", "--out", str(models / "tiny")], check=True)
-    return models
+    return lambda name, token: sign_in(client, name, token)

@@ -14,6 +14,8 @@ from structlog.testing import capture_logs
 SAFE = {"GET", "HEAD", "OPTIONS"}
 # Reachable without signing in, by design: they are how one signs in.
 ANONYMOUS = {("POST", "/signin"), ("POST", "/setup"), ("POST", "/api/setup")}
+# The agent route: no operator's, it takes agent keys (tests/route).
+AGENT_ROUTE = {("POST", f"/v1/{endpoint}") for endpoint in ("chat/completions", "completions", "responses")}
 
 # Every mutating endpoint, with a request that the given role may not make.
 API_MATRIX = [
@@ -32,6 +34,9 @@ API_MATRIX = [
     # Someone else's tokens: only an admin may.
     ("POST", "/api/operators/{name}/tokens", "admin", {"json": {"name": "sneaky"}}),
     ("DELETE", "/api/tokens/{token_id}", "admin", {}),
+    ("POST", "/api/keys", "operator", {"json": {"name": "pi"}}),
+    ("DELETE", "/api/keys/{name}", "operator", {}),
+    ("POST", "/api/route/alerts/{alert_id}/acknowledge", "operator", {}),
 ]
 PAGE_MATRIX = [
     ("POST", "/profiles/{name}/children", "operator", {"data": {"name": "x", "rationale": "y"}}),
@@ -43,9 +48,12 @@ PAGE_MATRIX = [
     ("POST", "/qualifications/{run_id}/decisions", "operator", {"data": {"decision": "reject"}}),
     ("POST", "/route/production", "operator", {"data": {"profile": "cpu-demo"}}),
     ("POST", "/route/rollback", "operator", {"data": {"reason": "back"}}),
+    ("POST", "/route/agents/keys", "operator", {"data": {"name": "pi"}}),
+    ("POST", "/route/agents/keys/{name}/revoke", "operator", {}),
+    ("POST", "/route/alerts/{alert_id}/acknowledge", "operator", {}),
     ("POST", "/signout", "viewer", {}),
 ]
-PATH_VALUES = {"{name}": "cpu-demo", "{token_id}": "1", "{run_id}": "1"}
+PATH_VALUES = {"{name}": "cpu-demo", "{token_id}": "1", "{run_id}": "1", "{alert_id}": "1"}
 
 
 def concrete(path: str) -> str:
@@ -61,7 +69,7 @@ def test_the_matrices_cover_every_mutating_endpoint(client):
         for method in getattr(route, "methods", ())
         if method not in SAFE
     }
-    covered = {(m, p) for m, p, _, _ in API_MATRIX + PAGE_MATRIX} | ANONYMOUS
+    covered = {(m, p) for m, p, _, _ in API_MATRIX + PAGE_MATRIX} | ANONYMOUS | AGENT_ROUTE
     assert routes == covered
 
 

@@ -5,44 +5,29 @@ tiny checkpoint; killed with its engine running, the next console stops that eng
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.console.conftest import free_port
+from tests.support import free_port, start_console, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "fg_process-test-admin"
 
 
 def test_console_starts_and_answers_health(tmp_path):
     port = free_port()
-    env = {
-        **os.environ,
+    settings = {
         "FLASHGATE_DATA_DIR": str(tmp_path / "data"),
         "FLASHGATE_PORT": str(port),
         "FLASHGATE_LOG_JSON": "1",
         "FLASHGATE_MAKE_TINY": "0",
+        "FLASHGATE_ADMIN_TOKEN": None,
     }
-    env.pop("FLASHGATE_ADMIN_TOKEN", None)
     log = tmp_path / "console.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = start_console(settings, log)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"console exited early:\n{log.read_text()}"
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "console did not answer /healthz within 60 s"
-                time.sleep(0.2)
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
         assert health.status_code == 200 and health.json() == {"status": "ok"}
         ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
         assert ready.status_code == 200 and ready.json() == {"status": "ready"}
@@ -57,21 +42,17 @@ def test_console_starts_and_answers_health(tmp_path):
     assert any(e["event"] == "profiles_seeded" for e in lines)
 
 
-def _console(data_dir: Path, port: int, engine_port: int, log: Path) -> subprocess.Popen:
-    env = {
-        **os.environ,
+def _console(data_dir: Path, port: int, engine_port: int, log: Path):
+    settings = {
         "FLASHGATE_DATA_DIR": str(data_dir),
         "FLASHGATE_PORT": str(port),
         "FLASHGATE_ENGINE_PORT": str(engine_port),
         "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
         "FLASHGATE_LOG_JSON": "1",
         "FLASHGATE_ENGINE_GRACE_S": "10",
+        "FLASHGATE_MAKE_TINY": None,
     }
-    env.pop("FLASHGATE_MAKE_TINY", None)
-    with log.open("a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    _until(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200, proc, log, "ready")
-    return proc
+    return start_console(settings, log, timeout=90)
 
 
 def _running(pid: int) -> bool:
@@ -80,19 +61,6 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _until(check, proc: subprocess.Popen, log: Path, what: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"console exited early:\n{log.read_text()}"
-        try:
-            if check():
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"not {what} within {timeout} s:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -107,12 +75,12 @@ def test_first_start_makes_the_tiny_checkpoint_and_a_restart_reclaims_a_left_eng
     first = _console(data_dir, port, engine_port, log)
     try:
         assert engine()["demo_checkpoint"]["state"] in ("making", "present")
-        _until(lambda: engine()["demo_checkpoint"]["state"] == "present", first, log, "made")
+        wait_until(lambda: engine()["demo_checkpoint"]["state"] == "present", "made", 90, first, log)
         assert (data_dir / "models" / "tiny" / "model.safetensors").is_file()
         assert httpx.get(f"{api}/profiles/cpu-demo", headers=admin).json()["state"]["blockers"] == []
         started = httpx.post(f"{api}/engine/start", json={"profile": "cpu-demo"}, headers=admin, timeout=30)
         assert started.status_code == 202, started.text
-        _until(lambda: engine()["state"] == "ready", first, log, "ready")
+        wait_until(lambda: engine()["state"] == "ready", "ready", 90, first, log)
         run = engine()["run"]
     finally:
         first.kill()  # no shutdown: the engine is left running, as after a crash of the console

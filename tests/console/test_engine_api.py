@@ -15,6 +15,7 @@ from app.settings import load_settings
 from app.telemetry.gpus import NvmlGpus
 from tests.console.conftest import ADMIN_TOKEN
 from tests.console.fake_nvml import GIB, FakeGpu, FakeNvml
+from tests.support import sign_in
 
 HTMX = {"HX-Request": "true"}
 
@@ -134,7 +135,7 @@ def test_gpu_telemetry_degrades_per_metric_under_wsl(gpu_console):
         assert first["utilization_pct"] is None  # n/a under WSL2, never 0
         assert "Task Manager" in gpus["notes"][0]
         assert telemetry["history"][-1]["gpu_free_bytes"] == [140 * GIB, 51 * GIB]
-        client.post("/signin", data=_sign_in_form(client), follow_redirects=False)
+        sign_in(client, "admin", ADMIN_TOKEN)
         page = client.get("/dashboard/live")
         assert "140.0 GiB free</strong> of 141.0 GiB" in page.text and "51.0 GiB free" in page.text
         assert "utilisation n/a" in page.text and "34 °C" in page.text and "74 W" in page.text
@@ -165,7 +166,7 @@ def test_the_selected_profile_survives_a_refresh(gpu_console):
             json={"name": "cpu-demo-2k", "rationale": "half the context", "context_length": 2048},
             headers=_admin(),
         )
-        client.post("/signin", data=_sign_in_form(client), follow_redirects=False)
+        sign_in(client, "admin", ADMIN_TOKEN)
         assert '<option value="cpu-demo"  selected>' in client.get("/dashboard/live").text
         kept = client.get("/dashboard/live", params={"profile": "cpu-demo-2k"}).text
         assert '<option value="cpu-demo-2k"  selected>' in kept and 'hx-include="#start-profile"' in kept
@@ -188,11 +189,6 @@ def test_openapi_lists_the_engine_and_telemetry_api(client):
 
 def _admin() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-def _sign_in_form(client: TestClient) -> dict[str, str]:
-    csrf = client.get("/signin").text.split('name="_csrf_token" value="')[1].split('"')[0]
-    return {"name": "admin", "token": ADMIN_TOKEN, "_csrf_token": csrf}
 
 
 def _sampled(client: TestClient) -> dict:

@@ -23,8 +23,9 @@ from litestar.testing import TestClient
 
 from app.main import create_app
 from app.settings import load_settings
-from tests.console.conftest import ADMIN_TOKEN, free_port
+from tests.console.conftest import ADMIN_TOKEN
 from tests.console.docker_replay import DockerReplay
+from tests.support import free_port, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -78,15 +79,6 @@ class Console:
     def audit(self, run_id: int) -> list[str]:
         rows = self.client.get("/api/audit", params={"target": f"engine_run:{run_id}"}, headers=ADMIN).json()
         return [r["action"] for r in reversed(rows)]
-
-
-def _sign_in(client: TestClient) -> None:
-    page = client.get("/signin")
-    csrf = page.text.split('name="_csrf_token" value="')[1].split('"')[0]
-    response = client.post(
-        "/signin", data={"name": "admin", "token": ADMIN_TOKEN, "_csrf_token": csrf}, follow_redirects=False
-    )
-    assert response.status_code == 303, response.text
 
 
 def _settings(data_dir: Path, models_dir: Path, **env: str):
@@ -176,7 +168,7 @@ def tiny_1k(console: Console) -> None:
         headers=ADMIN,
     )
     assert response.status_code == 201, response.text
-    _sign_in(console.client)
+    sign_in(console.client, "admin", ADMIN_TOKEN)
 
 
 def test_start_ready_shows_the_measured_kv_capacity_then_stop(console: Console):

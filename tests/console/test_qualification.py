@@ -24,7 +24,8 @@ from litestar.testing import TestClient
 
 from app.main import create_app
 from app.settings import load_settings
-from tests.console.conftest import ADMIN_TOKEN, free_port
+from tests.console.conftest import ADMIN_TOKEN
+from tests.support import free_port, sign_in
 
 pytestmark = pytest.mark.slow
 
@@ -216,9 +217,7 @@ def test_evidence_is_stored_per_observation_and_exported(console: Console, run_a
 
     # The same bundle as a file, and the readable report with its performance plot.
     page_client = console.client
-    page = page_client.get("/signin")
-    csrf = page.text.split('name="_csrf_token" value="')[1].split('"')[0]
-    page_client.post("/signin", data={"name": "admin", "token": ADMIN_TOKEN, "_csrf_token": csrf})
+    sign_in(page_client, "admin", ADMIN_TOKEN)
     download = page_client.get(f"/qualifications/{run_a['id']}/evidence.json")
     assert download.status_code == 200 and "attachment" in download.headers["content-disposition"]
     assert json.loads(download.text)["observations"] == observations

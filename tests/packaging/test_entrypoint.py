@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,24 +23,11 @@ from app.main import BUILD_HEADER
 from app.profiles.models import Profile
 from app.settings import load_settings
 from engine.tools.make_tiny import make_tiny
+from tests.support import ROOT, OutputLines, free_port, terminate, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "bin" / "flashgate"
 BUILD = "9.9.9+packaging-test"
 BOOT_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    """Below the ephemeral range, so nothing takes it as the local end of a connection before the engine binds it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    while True:
-        port = random.randrange(10_000, low)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def entrypoint_env(data_dir: Path, **extra: str) -> dict[str, str]:
@@ -63,54 +46,27 @@ def entrypoint_env(data_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-class Running:
-    """The entrypoint as a process, its output lines in a queue."""
+class Running(OutputLines):
+    """The entrypoint as a process, its output lines read as they come."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            ["sh", str(ENTRYPOINT), *args],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        super().__init__(
+            subprocess.Popen(
+                ["sh", str(ENTRYPOINT), *args],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._queue.put(line.rstrip("\n"))
-
-    def wait_for(self, predicate, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                # Output ends only when the process has exited and every line has been read.
-                assert self._reader.is_alive(), f"exited with {self.proc.poll()}:\n" + "\n".join(self.lines)
-                continue
-            self.lines.append(line)
-            if predicate(line):
-                return line
-        raise AssertionError(f"nothing matched within {timeout} s:\n" + "\n".join(self.lines))
 
     def argv(self) -> list[str]:
         return Path(f"/proc/{self.proc.pid}/cmdline").read_bytes().decode().split("\0")
 
     def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        return terminate(self.proc, timeout)
 
 
 def healthcheck(port: int) -> subprocess.CompletedProcess[str]:
@@ -130,15 +86,9 @@ def test_console_mode_answers_healthz_with_the_build(tmp_path):
     )
     console = Running([], env)  # no command: the console, as the image's CMD and `make run` start it
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert console.proc.poll() is None, f"console exited: {console.proc.returncode}"
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the console did not answer /healthz within 60 s"
-                time.sleep(0.2)
+        healthz = f"http://127.0.0.1:{port}/healthz"
+        wait_until(lambda: httpx.get(healthz, timeout=1).status_code == 200, "answering /healthz", proc=console.proc)
+        health = httpx.get(healthz, timeout=1)
         assert health.status_code == 200 and health.json() == {"status": "ok"}
         assert health.headers[BUILD_HEADER] == BUILD
         assert f"Flashgate build {BUILD}</footer>" in httpx.get(f"http://127.0.0.1:{port}/signin", timeout=5).text
