@@ -12,9 +12,7 @@ a CUDA graph captured at the 1M maximum replayed at many actual lengths against 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.provenance import provenance  # noqa: E402
 from engine.cache.kv_cache import IndexKeys, MainRows  # noqa: E402
 from engine.kernels.indexer import indexer_logits_triton  # noqa: E402
 from engine.kernels.sparse_attention import sparse_decode_attention_triton  # noqa: E402
@@ -350,9 +349,7 @@ def main() -> None:
         lines += text
         print("\n".join(text), flush=True)
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
-    results.update(commit=commit or "unknown", date=datetime.date.today().isoformat(), triton=triton.__version__,
-                   torch=torch.__version__)  # fmt: skip
+    results.update(provenance())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(results, indent=2) + "\n")
     header = [f"# Sparse-attention decode kernels — {results['date']}, {gpu}, commit {results['commit']}",

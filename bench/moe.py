@@ -14,20 +14,18 @@ drawn at random (uniform top-6), so each call touches other experts, and even on
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import copy_bandwidth, median_us  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 from engine.kernels.moe import moe_experts_triton  # noqa: E402
 
 E, K, D, INTER, LIMIT = 256, 6, 4096, 2048, 10.0
@@ -138,9 +136,7 @@ def main() -> None:
     part, lines = (sweep if args.sweep else report)(gen, experts, bandwidth)
     results.update(part)
     print("\n".join(lines))
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
-    results.update(commit=commit or "unknown", date=datetime.date.today().isoformat(), triton=triton.__version__,
-                   torch=torch.__version__)  # fmt: skip
+    results.update(provenance())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import copy_bandwidth  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 from bench.serve import Engine, run  # noqa: E402
 from bench.shapes import COMPRESS_RATIOS, write_model_dir  # noqa: E402
 from bench.step import roofline_bytes  # noqa: E402
@@ -163,8 +163,7 @@ def main() -> None:
     results["roofline_fraction_c16"] = eight[16]["roofline_fraction"]
     results["kv_capacity_efficiency"] = min(p["kv_capacity_efficiency"] for p in results["profiles"].values())
     results["decode_tok_s_128k_c16"] = None  # see serve.md: prefill of 128K prompts needs the sparse prefill path
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
-    results.update(commit=commit or "unknown", date=datetime.date.today().isoformat())
+    results.update(provenance())
     (args.out / "serve.json").write_text(json.dumps(results, indent=2) + "\n")
     baseline = results["transformers_baseline"]
     lines += [

@@ -10,9 +10,7 @@ the same run. Also: the same step run eagerly, kernels launched per step, and th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import copy_bandwidth, median_us  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 from bench.shapes import COMPRESS_RATIOS, write_model_dir  # noqa: E402
 from engine.cache.layout import KVLayout  # noqa: E402
 from engine.cache.pool import PagePool  # noqa: E402
@@ -153,9 +152,7 @@ def main() -> None:
         breakdown,
         "```",
     ]
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
-    results.update(commit=commit or "unknown", date=datetime.date.today().isoformat(), triton=triton.__version__,
-                   torch=torch.__version__)  # fmt: skip
+    results.update(provenance())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step.json").write_text(json.dumps(results, indent=2) + "\n")
     header = [
