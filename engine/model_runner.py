@@ -10,7 +10,8 @@ and `kv_bytes` are counted from what was allocated.
 
 Decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs (engine/cuda_graphs.py) captured after the
 pool is allocated; their memory is reserved before sizing it (one eager decode step of the largest captured size at
-the widest page table, measured) and reported as `graph_bytes` once captured.
+the widest page table, measured, plus the fp32 logits each graph keeps) and reported as `graph_bytes` once
+captured (what their memory pool holds).
 """
 
 from __future__ import annotations
@@ -190,7 +191,10 @@ class ModelRunner:
             self.model.logits(self.model.run_layers(batch))
 
         workspace = peak_of(prefill)
-        graph_bytes = peak_of(decode) if graphs else 0
+        graph_bytes = 0
+        if graphs:  # the largest graph's workspace, shared by all, and every graph's logits, which each keeps
+            sizes = capture_sizes(config.cuda_graph_max_bs)
+            graph_bytes = peak_of(decode) + sum(sizes) * self.model.args.vocab_size * 4
         torch.cuda.empty_cache()
         return workspace, graph_bytes
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.kv_rows import write_main_rows
 from engine.kernels.quant import FP8_MAX
 
 SCALE_BLOCK = 64
@@ -43,25 +44,12 @@ class MainRows:
         else:
             self.storage = torch.zeros(num_pages * rows_per_page, head_dim, dtype=getattr(torch, dtype), device=device)
 
-    def _offsets(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        page, row = slots // self.rows_per_page, slots % self.rows_per_page
-        return page, row * self.data_bytes, self.rows_per_page * self.data_bytes + row * SCALE_BYTES
-
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [N, head_dim] -> physical `slots` [N]."""
         if not self.fp8:
             self.storage[slots] = rows.to(self.storage.dtype)
             return
-        nope = rows[:, : self.nope].float().unflatten(-1, (-1, SCALE_BLOCK))
-        scale = _pow2_scale(nope.abs().amax(-1, keepdim=True))
-        values = (nope / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(1).view(torch.uint8)
-        rope = rows[:, self.nope :].to(torch.bfloat16).contiguous().view(torch.uint8)
-        exponents = (torch.log2(scale.squeeze(-1)).round() + 127).to(torch.uint8)
-        page, data, scales = self._offsets(slots.long())
-        cols = torch.arange(self.data_bytes, device=rows.device)
-        self.storage[page[:, None], data[:, None] + cols] = torch.cat([values, rope], dim=1)
-        scale_cols = torch.arange(exponents.shape[1], device=rows.device)
-        self.storage[page[:, None], scales[:, None] + scale_cols] = exponents
+        write_main_rows(self.storage, slots, rows, self.rows_per_page, self.rope_dim)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Physical `slots` [N] -> rows [N, head_dim] fp32 (dequantised)."""

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.cache.kv_cache import IndexKeys, MainRows
 from engine.kernels.dispatch import use_triton
-from engine.kernels.quant import simulate_index_fp4, simulate_kv_row_fp8
+from engine.kernels.quant import fp4_round, simulate_index_fp4, simulate_kv_row_fp8
 from engine.kernels.rope import rotate_interleaved
 from engine.kernels.scales import ceil_log2, pow2, pow2_ceil
 
@@ -100,22 +100,6 @@ def compressor_decode_step_reference(
 
 
 @triton.jit
-def _round_half_even(x):
-    r = tl.floor(x + 0.5)
-    return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1.0, r)
-
-
-@triton.jit
-def _fp4_round(x):
-    """Nearest e2m1 value (ties to the even code) of |x| <= 6, sign kept."""
-    mag = tl.abs(x)
-    q = tl.where(mag < 2.0, _round_half_even(mag * 2.0) * 0.5,
-                 tl.where(mag < 4.0, _round_half_even(mag), _round_half_even(mag * 0.5) * 2.0))  # fmt: skip
-    q = tl.minimum(q, 6.0)
-    return tl.where(x < 0, -q, q)
-
-
-@triton.jit
 def _compressor_step_kernel(
     kv_ptr, score_ptr, ape_ptr, norm_ptr, inv_freq_ptr, kv_state_ptr, score_state_ptr, slot_ptr, pos_ptr,
     pt_ptr, out_ptr, scale_out_ptr, hadamard_ptr, pooled_ptr,
@@ -173,7 +157,7 @@ def _compressor_step_kernel(
                 x = tl.sum(x[:, None] * h, axis=0)
                 blocks = tl.reshape(x, (DIM // 32, 32))
                 scale = pow2_ceil(tl.max(tl.abs(blocks), axis=1) / 6.0)
-                x = tl.reshape(_fp4_round(blocks / scale[:, None]) * scale[:, None], (DIM,))
+                x = tl.reshape(fp4_round(blocks / scale[:, None]) * scale[:, None], (DIM,))
             if FP8_OUT:  # 128 e4m3 values per row, then the row's fp32 scale after the page's values
                 row_scale = pow2_ceil(tl.max(tl.abs(x), axis=0) / 448.0)
                 values = (x / row_scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)

@@ -6,6 +6,9 @@
 
 `*_simulate` functions round-trip a tensor through the format in place of the real low-precision storage, as the
 official inference code does for its quantisation-aware-trained activations (`EngineConfig.quant_sim`).
+
+The index queries' simulation (46-50 torch ops, run per c4 layer and step) also has a one-launch Triton kernel
+(`simulate_index_fp4` picks).
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.dispatch import use_triton
+from engine.kernels.scales import pow2
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -144,6 +152,74 @@ def simulate_kv_row_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat([fp8_simulate(kv[..., :-rope_dim], KV_FP8_BLOCK), kv[..., -rope_dim:]], dim=-1)
 
 
-def simulate_index_fp4(x: torch.Tensor) -> torch.Tensor:
+def simulate_index_fp4_reference(x: torch.Tensor) -> torch.Tensor:
     """Hadamard-rotate then FP4-round index queries / keys (the rotation spreads outliers before rounding)."""
     return fp4_simulate(hadamard_rotate(x), INDEX_FP4_BLOCK)
+
+
+@triton.jit
+def exact_ceil_log2(x):
+    """ceil(log2(x)) of a positive normal fp32, from its bits, as `_pow2_ceil` gives it. scales.ceil_log2 floors x at
+    1e-30, which the smallest scales here (all-zero blocks: tiny * qmax / qmax, or 1e-30 / 448 in the KV rows) are
+    below."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1.0, r)
+
+
+@triton.jit
+def fp4_round(x):
+    """Nearest e2m1 value (ties to the even code) of |x| <= 6, sign kept: `_round_e2m1` in a kernel."""
+    mag = tl.abs(x)
+    q = tl.where(mag < 2.0, _round_half_even(mag * 2.0) * 0.5,
+                 tl.where(mag < 4.0, _round_half_even(mag), _round_half_even(mag * 0.5) * 2.0))  # fmt: skip
+    q = tl.minimum(q, 6.0)
+    return tl.where(x < 0, -q, q)
+
+
+@triton.jit
+def _index_fp4_kernel(
+    x_ptr, out_ptr, n_rows, norm,
+    DIM: tl.constexpr, LOG2_DIM: tl.constexpr, BLOCK: tl.constexpr, FP4_TINY: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    at = rows[:, None].to(tl.int64) * DIM + tl.arange(0, DIM)[None, :]
+    mask = (rows < n_rows)[:, None]
+    y = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    # hadamard_rotate's butterflies in registers, in its order, so that every sum rounds as there: pass i pairs
+    # channel c with c + 2**i in each group of 2**(i + 1) channels and puts the sums first.
+    for i in tl.static_range(LOG2_DIM):
+        a, b = tl.split(tl.permute(tl.reshape(y, (ROWS, DIM >> (i + 1), 2, 1 << i)), (0, 1, 3, 2)))
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, DIM))
+    y = (y * norm).to(out_ptr.dtype.element_ty).to(tl.float32)  # the rotation comes back in x's dtype
+    # FP4 per BLOCK with a power-of-two scale; scaling by it is exact, so multiply by its inverse.
+    blocks = tl.reshape(y, (ROWS, DIM // BLOCK, BLOCK))
+    exponent = exact_ceil_log2(tl.div_rn(tl.maximum(tl.max(tl.abs(blocks), axis=2), FP4_TINY), 6.0))
+    q = fp4_round(tl.minimum(tl.maximum(blocks * pow2(-exponent)[:, :, None], -6.0), 6.0))
+    y = tl.reshape(q * pow2(exponent)[:, :, None], (ROWS, DIM))
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def simulate_index_fp4_triton(x: torch.Tensor) -> torch.Tensor:
+    """`simulate_index_fp4_reference` in one launch: x [..., dim] (dim a power of two, >= 32), fp32 / bf16."""
+    x = x.contiguous()
+    dim, n_rows, block_rows = x.shape[-1], x.numel() // x.shape[-1], 16
+    out = torch.empty_like(x)
+    _index_fp4_kernel[(triton.cdiv(n_rows, block_rows),)](
+        x, out, n_rows, dim**-0.5, DIM=dim, LOG2_DIM=dim.bit_length() - 1, BLOCK=INDEX_FP4_BLOCK,
+        FP4_TINY=torch.finfo(torch.float32).tiny * FP4_MAX, ROWS=block_rows,
+    )  # fmt: skip
+    return out
+
+
+def simulate_index_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Hadamard-rotate then FP4-round index queries / keys: the Triton kernel on CUDA, the reference elsewhere and for
+    float64 (whose models round in float64)."""
+    if x.dtype == torch.float64 or not use_triton(x.device):
+        return simulate_index_fp4_reference(x)
+    return simulate_index_fp4_triton(x)

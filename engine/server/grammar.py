@@ -6,7 +6,8 @@ What is constrained (docs/agent-api.md, "Constrained decoding"):
 - `tool_choice` `required` or named: the completion is one DSML tool-call block (`tool_calls.block_format`) calling
   any offered tool, or the named one, with arguments that follow each tool's JSON Schema.
 - `tool_choice` `auto` with a `strict` tool: free text, optionally followed by such a block.
-- `tool_choice` `none` with tools: free text without DSML markup.
+- `tool_choice` `none` with tools: free text (or the JSON content) without ``DSML`` anywhere, so not even a
+  fragment of a call's markup, whatever the sampling.
 - `response_format` `json_object` / `json_schema`: the content is JSON matching the schema (or, with callable tools
   under `auto`, a tool-call block instead).
 
@@ -48,7 +49,7 @@ from xgrammar.structural_tag import (
 )
 
 from engine.server.chat_encoding import DSML, INVOKE_CLOSE, PARAMETER_CLOSE, THINK_END, TOOL_CALLS_CLOSE
-from engine.server.tool_calls import EXCLUDED_TEXT, ToolPolicy, block_format, json_format
+from engine.server.tool_calls import EXCLUDED_TEXT, EXCLUDED_TEXT_UNDER_NONE, ToolPolicy, block_format, json_format
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -86,10 +87,11 @@ class GrammarError(ValueError):
 def output_format(policy: ToolPolicy, response_schema: Mapping[str, Any] | bool | None) -> Format | None:
     """The completion's format (after any reasoning), or None when nothing constrains it (see the module doc)."""
     callable_tools = policy.callable_tools
+    excludes = EXCLUDED_TEXT_UNDER_NONE if policy.choice == "none" and policy.tools else EXCLUDED_TEXT
     if response_schema is not None:
-        text: Format = json_format(response_schema, None)
+        text: Format = json_format(response_schema, None, excludes)
     else:
-        text = AnyTextFormat(excludes=EXCLUDED_TEXT)
+        text = AnyTextFormat(excludes=excludes)
     if policy.choice in ("required", "named"):
         return block_format(callable_tools, policy.parallel)
     if not callable_tools:

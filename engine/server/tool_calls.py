@@ -44,6 +44,9 @@ from engine.server.chat_encoding import (
 
 # Markup that must never appear inside free text or a string value (see the module docstring).
 EXCLUDED_TEXT = [DSML, THINK_START, THINK_END]
+# Under tool_choice "none" the bare keyword too: no call is wanted, so not even a fragment of its markup (a tag
+# with a bar missing, one cut by the token budget) may reach the content.
+EXCLUDED_TEXT_UNDER_NONE = ["DSML", THINK_START, THINK_END]
 # The encoder writes argument JSON with ", " and ": ": one space between tokens is all a call needs.
 _PARAMETER_WHITESPACE = 1
 # A string schema with only these keys is "any text": written raw.
@@ -213,11 +216,13 @@ def _raw_choice(choice: Any) -> bool:
     return isinstance(choice, str) and bool(choice) and not any(text in choice for text in EXCLUDED_TEXT)
 
 
-def json_format(schema: Mapping[str, Any] | bool, max_whitespace: int | None) -> JSONSchemaFormat:
-    """JSON matching `schema`, its strings free of excluded markup (a string with a `pattern` or `format` is held
-    to that alone)."""
+def json_format(
+    schema: Mapping[str, Any] | bool, max_whitespace: int | None, excludes: Sequence[str] = EXCLUDED_TEXT
+) -> JSONSchemaFormat:
+    """JSON matching `schema`, its strings free of `excludes` (a string with a `pattern` or `format` is held to
+    that alone)."""
     return JSONSchemaFormat(
-        json_schema=_length_limits_as_patterns(schema), excludes=EXCLUDED_TEXT, max_whitespace_cnt=max_whitespace
+        json_schema=_length_limits_as_patterns(schema), excludes=list(excludes), max_whitespace_cnt=max_whitespace
     )
 
 

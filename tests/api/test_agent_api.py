@@ -43,6 +43,9 @@ ANSWER_SCHEMA = {
     "properties": {"answer": {"type": "integer"}, "why": {"type": "string", "maxLength": 20}},
     "required": ["answer", "why"],
 }
+# Seeds on which the tiny model, sampling freely at 0.8 from [SYSTEM, ASK] with WEATHER offered, writes "DSML"
+# within 24 tokens: the case tool_choice "none" must keep out.
+DSML_SEEDS = (102, 186)
 # Pi's defaults for an unknown local URL (qualification.md §3.2).
 PI = {"store": False, "stream_options": {"include_usage": True}}
 
@@ -238,10 +241,15 @@ def test_thinking_then_a_required_call(server):
 
 
 def test_tool_choice_none_gives_no_calls_and_no_markup(server):
-    response = chat(server, messages=[SYSTEM, ASK], tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0.8)
-    message = response.choices[0].message
-    assert not message.tool_calls and "DSML" not in message.content
-    assert response.choices[0].finish_reason in ("stop", "length")
+    request = {"messages": [SYSTEM, ASK], "tools": [WEATHER], "max_tokens": 24, "temperature": 0.8, "logprobs": True}
+    for seed in DSML_SEEDS:
+        free = chat(server, seed=seed, **request)  # `auto` with a tool that is not strict: no grammar
+        assert "DSML" in "".join(entry.token for entry in free.choices[0].logprobs.content), seed
+        choice = chat(server, seed=seed, tool_choice="none", **request).choices[0]
+        # The grammar, not the parser, keeps it out: no sampled token spells it either.
+        assert "DSML" not in "".join(entry.token for entry in choice.logprobs.content), seed
+        assert not choice.message.tool_calls and "DSML" not in choice.message.content
+        assert choice.finish_reason in ("stop", "length")
 
 
 def test_strict_tools_under_auto(server):

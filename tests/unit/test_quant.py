@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from engine.cache.kv_cache import MainRows
 from engine.kernels.quant import (
     dequantize_fp4_weight,
     dequantize_fp8_weight,
@@ -12,6 +14,7 @@ from engine.kernels.quant import (
     hadamard_rotate,
     quantize_fp4_weight,
     quantize_fp8_weight,
+    simulate_kv_row_fp8,
 )
 
 
@@ -53,3 +56,17 @@ def test_hadamard_is_orthonormal_and_self_inverse():
     y = hadamard_rotate(x)
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-4)
     assert torch.allclose(hadamard_rotate(y), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rows_store_the_kv_simulation_exactly(dtype):
+    """The decode path writes KV rows to FP8 storage without simulating their FP8 rounding first: a row that is
+    already simulated must store the same values as the raw row (its scale may come out one power of two smaller,
+    with every code doubled, which reads back the same)."""
+    gen = torch.Generator().manual_seed(5)
+    rows = (torch.randn(40, 512, generator=gen) * torch.logspace(-6, 3, 40)[:, None]).to(dtype)
+    rows[3, :64] = 0  # an all-zero scale block
+    raw, simulated = (MainRows(1, 64, 512, 64, "fp8_e4m3", "cpu") for _ in range(2))
+    raw.write(torch.arange(40), rows)
+    simulated.write(torch.arange(40), simulate_kv_row_fp8(rows, 64))
+    assert torch.equal(raw.read(torch.arange(40)), simulated.read(torch.arange(40)))
