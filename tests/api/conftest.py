@@ -37,7 +37,10 @@ class EngineServer:
         args = {"model": model_dir, "port": self.port, "dtype": DTYPE, "context_length": CONTEXT_LENGTH} | flags
         command = [sys.executable, "-m", "engine", "serve"]
         for name, value in args.items():
-            command += [f"--{name.replace('_', '-')}", str(value)]
+            flag = name.replace("_", "-")
+            command += (
+                [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+            )
         self.log_path = log_path
         # One torch thread: the servers and the test process (the oracle) share the machine's two cores.
         env = {**os.environ, "FLASHGATE_BUILD": "test-build", "OMP_NUM_THREADS": "1"}
