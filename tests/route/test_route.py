@@ -400,3 +400,20 @@ def test_production_an_operator_stopped_stays_stopped_across_a_restart(console: 
     assert engine["state"] == "stopped" and engine["run"]["id"] == run
     refused = _routed(console)
     assert refused.status_code == 503 and refused.headers["retry-after"] == RETRY_AFTER
+
+
+def test_with_resume_turned_off_a_restart_leaves_production_to_the_operator(console: Console):
+    started = console.http.post("/api/engine/start", json={"profile": A}, headers=ADMIN)
+    assert started.status_code == 202
+    wait_until(lambda: _routed(console).status_code == 200, "production serving again", 90)
+    last_decision = _latest_route_audit(console)["id"]
+    console.stop()
+    console.settings["FLASHGATE_RESUME_PRODUCTION"] = "0"
+    try:
+        console.start()
+        time.sleep(1.5)  # a few watch intervals
+        assert console.get("/api/engine")["state"] == "stopped"
+        assert _latest_route_audit(console)["id"] == last_decision  # the watch neither resumed nor decided to wait
+        assert _routed(console).status_code == 503
+    finally:
+        del console.settings["FLASHGATE_RESUME_PRODUCTION"]
