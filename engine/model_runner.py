@@ -182,8 +182,10 @@ class ModelRunner:
             self.model.logits(streams[-config.max_num_seqs :])
             self.model.release_state(state)
 
+        sizes = capture_sizes(config.cuda_graph_max_bs)
+
         def decode() -> None:  # every row at position 0 of slot 0, as the graphs' padding rows run
-            bs = capture_sizes(config.cuda_graph_max_bs)[-1]
+            bs = sizes[-1]
             batch = ForwardBatch(torch.zeros(bs, dtype=torch.long, device=self.device),
                                  torch.zeros(bs, dtype=torch.long, device=self.device), [], [1] * bs)  # fmt: skip
             table = torch.zeros(bs, self.layout.pages_for(self.context_length), dtype=torch.int32, device=self.device)
@@ -193,7 +195,6 @@ class ModelRunner:
         workspace = peak_of(prefill)
         graph_bytes = 0
         if graphs:  # the largest graph's workspace, shared by all, and every graph's logits, which each keeps
-            sizes = capture_sizes(config.cuda_graph_max_bs)
             graph_bytes = peak_of(decode) + sum(sizes) * self.model.args.vocab_size * 4
         torch.cuda.empty_cache()
         return workspace, graph_bytes

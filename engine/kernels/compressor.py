@@ -20,7 +20,7 @@ import triton.language as tl
 from engine.cache.kv_cache import IndexKeys, MainRows
 from engine.kernels.dispatch import use_triton
 from engine.kernels.quant import fp4_round, simulate_index_fp4, simulate_kv_row_fp8
-from engine.kernels.rope import rotate_interleaved
+from engine.kernels.rope import rope_angles, rotate_interleaved
 from engine.kernels.scales import ceil_log2, pow2, pow2_ceil
 
 
@@ -74,8 +74,8 @@ def finish_rows(
     position, and the FP8 (main KV) or Hadamard + FP4 (index keys) rounding when quant_sim is on."""
     x = pooled.to(dtype).float()
     rows = (norm_weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)).to(dtype)
-    angles = ((torch.arange(len(rows), device=rows.device) + first_row) * ratio).float()[:, None] * inv_freq[None]
-    rows = rotate_interleaved(rows, angles.cos(), angles.sin())
+    positions = (torch.arange(len(rows), device=rows.device) + first_row) * ratio
+    rows = rotate_interleaved(rows, *rope_angles(positions, inv_freq))
     if not quant_sim:
         return rows
     return simulate_index_fp4(rows) if for_indexer else simulate_kv_row_fp8(rows, 2 * inv_freq.shape[0])
