@@ -6,8 +6,8 @@ page_table[b, r // 64] * 64 + r % 64. FP8 keys carry one fp32 scale per row (blo
 then 64 scales); bf16 keys have none.
 
 The Triton kernel runs on a fixed grid (batch, splits) that does not change between CUDA-graph replays; each program
-walks its share of the request's pages up to c4_len only, so the work follows the actual length, never the
-configured maximum.
+walks its contiguous share of the request's pages up to c4_len only, so the work follows the actual length, never
+the configured maximum.
 """
 
 from __future__ import annotations
@@ -49,37 +49,22 @@ def indexer_logits_reference(
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr,
-    w_ptr,
-    k_ptr,
-    ks_ptr,
-    pt_ptr,
-    len_ptr,
-    out_ptr,
-    stride_qb,
-    stride_qh,
-    stride_wb,
-    stride_kp,
-    stride_kr,
-    stride_sp,
-    stride_ptb,
-    stride_ob,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    ROWS: tl.constexpr,
-    PAGES: tl.constexpr,
-    SPLITS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    F32_DOT: tl.constexpr,
-    FP8_DOT: tl.constexpr,
-):
+    q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, len_ptr, out_ptr,
+    stride_qb, stride_qh, stride_wb, stride_kp, stride_sp, stride_ptb, stride_ob,
+    H: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    F32_DOT: tl.constexpr, FP8_DOT: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     split = tl.program_id(1)
     n = tl.load(len_ptr + b)
+    # Split s takes a contiguous run of the request's pages: its loads stream, and the run is empty past the length.
     n_pages = tl.cdiv(n, ROWS)
+    per_split = tl.cdiv(n_pages, SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, n_pages)
     h = tl.arange(0, H)
     d = tl.arange(0, D)
-    i = tl.arange(0, PAGES * ROWS)  # PAGES pages a step: a larger dot, fewer dependent page-table loads
+    r = tl.arange(0, ROWS)
     q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :])
     w = tl.load(w_ptr + b * stride_wb + h)
     if FP8_DOT:
@@ -90,58 +75,43 @@ def _indexer_logits_kernel(
         q_scale = tl.where(amax > 0, pow2_ceil(amax / 448.0), 1.0)
         q = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
         w = w * q_scale
-    for group in range(split, tl.cdiv(n_pages, PAGES), SPLITS):
-        p = group * PAGES + i // ROWS
-        page = tl.load(pt_ptr + b * stride_ptb + p, mask=p < n_pages, other=0).to(tl.int64)
-        row_in_page = i % ROWS
-        k = tl.load(k_ptr + page[:, None] * stride_kp + row_in_page[:, None] * stride_kr + d[None, :],
-                    mask=(p < n_pages)[:, None], other=0.0)  # fmt: skip
+    q_t = tl.trans(q)
+    # A page's 64 x D keys are one contiguous block: addressed from a scalar page id, its load is plain vector loads
+    # (a per-row gathered address cost half the bandwidth on an H200).
+    block = r[:, None] * D + d[None, :]
+    for p in tl.range(first, last, num_stages=STAGES):
+        page = tl.load(pt_ptr + b * stride_ptb + p).to(tl.int64)
+        k = tl.load(k_ptr + page * stride_kp + block)
         if F32_DOT:
-            s = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(k.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
         else:
-            s = tl.dot(k.to(q.dtype), tl.trans(q))
+            s = tl.dot(k.to(q.dtype), q_t)
         logits = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
         if HAS_SCALE:
-            logits = logits * tl.load(ks_ptr + page * stride_sp + row_in_page, mask=p < n_pages, other=0.0)
-        row = group * PAGES * ROWS + i
+            logits = logits * tl.load(ks_ptr + page * stride_sp + r)
+        row = p * ROWS + r
         tl.store(out_ptr + b * stride_ob + row, logits, mask=row < n)
 
 
 def indexer_logits_triton(
-    q, weights, keys, key_scales, page_table, c4_len, out, splits: int | None = None, pages_per_step: int = 2,
-    num_warps: int = 8, num_stages: int = 3,
+    q, weights, keys, key_scales, page_table, c4_len, out, splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 3,
 ):  # fmt: skip
     batch, heads, dim = q.shape
-    splits = splits or splits_for(batch, q.device)
+    # 16 waves of programs: each request's pages spread over the whole GPU even at batch 16 (bench/kernels.py).
+    splits = splits or splits_for(batch, q.device, waves=16)
     if keys.dtype == torch.float8_e4m3fn and q.dtype == torch.float32:
         raise ValueError("fp8 keys need bf16 queries")
+    if keys.stride(2) != 1 or keys.stride(1) != dim:
+        raise ValueError("each page's keys must be one contiguous [64, dim] block")
     _indexer_logits_kernel[(batch, splits)](
-        q,
-        weights,
-        keys,
-        key_scales if key_scales is not None else weights,
-        page_table,
-        c4_len,
-        out,
-        q.stride(0),
-        q.stride(1),
-        weights.stride(0),
-        keys.stride(0),
-        keys.stride(1),
-        key_scales.stride(0) if key_scales is not None else 0,
-        page_table.stride(0),
-        out.stride(0),
-        H=heads,
-        D=dim,
-        ROWS=ROWS_PER_PAGE,
-        PAGES=pages_per_step,
-        SPLITS=splits,
-        HAS_SCALE=key_scales is not None,
+        q, weights, keys, key_scales if key_scales is not None else weights, page_table, c4_len, out,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+        key_scales.stride(0) if key_scales is not None else 0, page_table.stride(0), out.stride(0),
+        H=heads, D=dim, ROWS=ROWS_PER_PAGE, SPLITS=splits, HAS_SCALE=key_scales is not None,
         F32_DOT=q.dtype == torch.float32 or interpreting(),
-        FP8_DOT=keys.dtype == torch.float8_e4m3fn and not interpreting(),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+        FP8_DOT=keys.dtype == torch.float8_e4m3fn and not interpreting(), STAGES=num_stages, num_warps=num_warps,
+    )  # fmt: skip
     return out
 
 
