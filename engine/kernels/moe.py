@@ -16,7 +16,13 @@ Triton path reads each touched expert's w1, w3 and w2 once per call and spreads 
      expert's run; active[s] is the s-th expert that has pairs, E for none, for s < S = min(E, N*k).
   2. Grid (S, I / BLOCK_I): h[j] = w_j * swiglu(x[t_j] @ w1[e]^T, x[t_j] @ w3[e]^T) for the pairs j of expert e.
   3. Grid (S, D / BLOCK_D): y_pair[pair_j] = h[j] @ w2[e]^T, back in the pairs' original [N, k] order.
-  4. y = y_pair.view(N, k, D).sum(1): each token's picks summed in a fixed order, so the result is deterministic.
+  4. moe_combine: out[t] = sum_j y_pair[t * k + j] + shared[t] in fp32, picks in order, written in x's dtype (one
+     launch, deterministic); moe_experts_triton sums the picks alone, for the grouped-GEMM bench and tests.
+
+Around them, the MoE block's small launches are single kernels too: gate_route computes the router logits from x
+and the weight as stored (programs over expert blocks x splits of D, the splits added in a fixed order by the
+selection kernel: two launches; hash layers one, with only the picked experts' logits), group_pairs_by_expert is one
+launch, and shared_swiglu reads the shared expert's two projections and writes h in x's dtype.
 
 Every shape depends on N, k and E only and nothing goes to the host, so a CUDA graph captured for a batch size replays
 with any routing; programs whose slot holds no expert exit at once. A program streams its expert's weight tile once
@@ -74,55 +80,168 @@ def _softplus(x):
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, weights_ptr, ids_ptr, n, stride_ln, route_scale,
-    E: tl.constexpr, TOP_K: tl.constexpr, HASHED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = tl.arange(0, BLOCK_E)
-    j = tl.arange(0, BLOCK_TOP)
-    valid = (t < n)[:, None] & (e < E)[None, :]
-    logits = tl.load(logits_ptr + t[:, None] * stride_ln + e[None, :], mask=valid, other=0.0)
-    scores = tl.sqrt_rn(_softplus(logits))
-    if HASHED:
-        token = tl.load(input_ids_ptr + t, mask=t < n, other=0)
+def _dot(a, b, acc, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
-        key = tl.where(valid, scores + tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :], float("-inf"))
-    ids = tl.zeros([BLOCK_T, BLOCK_TOP], dtype=tl.int64)
-    picked = tl.zeros([BLOCK_T, BLOCK_TOP], dtype=tl.float32)
+        return tl.dot(a, b, acc)
+
+
+def gate_route_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    top_k: int,
+    route_scale: float,
+    logits_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate from x [N, D] and the router weight [E, D]: logits as an fp32 matmul of the upcast tensors, then
+    route_reference. logits_out [N, E] fp32, when given, receives the logits (score routing; for checks)."""
+    logits = x.float() @ weight.float().T
+    if logits_out is not None:
+        logits_out.copy_(logits)
+    return route_reference(logits, bias, tid2eid, input_ids, top_k, route_scale)
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, partial_ptr, n, stride_xn, stride_we,
+    E: tl.constexpr, D: tl.constexpr, K_SPLIT: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Programs over (expert blocks, splits of D, token blocks): partial[split, t, e] = x[t, slice] . w[e, slice],
+    exact products (bf16 x bf16 on the tensor cores, else both upcast to fp32 and an ieee dot), accumulated in fp32.
+    The whole GPU streams the router weight in its stored dtype; the route kernel adds the splits in a fixed order."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    split = tl.program_id(1)
+    t = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+    for k0 in range(split * K_SPLIT, split * K_SPLIT + K_SPLIT, BLOCK_K):
+        kk = k0 + k
+        w = tl.load(w_ptr + e[:, None] * stride_we + kk[None, :], mask=(e < E)[:, None] & (kk < D)[None, :], other=0.0)
+        xt = tl.load(x_ptr + t[None, :] * stride_xn + kk[:, None], mask=(t < n)[None, :] & (kk < D)[:, None],
+                     other=0.0)  # fmt: skip
+        acc = _dot(w, xt, acc, F32_DOT)
+    out = (split * n + t[None, :]).to(tl.int64) * E + e[:, None]
+    tl.store(partial_ptr + out, acc, mask=(e < E)[:, None] & (t < n)[None, :])
+
+
+@triton.jit
+def _score_route_kernel(
+    partial_ptr, bias_ptr, weights_ptr, ids_ptr, logits_ptr, n, route_scale,
+    E: tl.constexpr, TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr, STORE_LOGITS: tl.constexpr,
+):  # fmt: skip
+    """One program a token: its logits (the splits summed in order), s = sqrt(softplus), the top-k of s + bias by
+    k argmax passes (largest first, ties to the smaller expert), then each picked expert's weight and id written at
+    its rank: one reduction for the weights' sum, none per pick."""
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    logits = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        logits += tl.load(partial_ptr + (s * n + t).to(tl.int64) * E + e, mask=valid, other=0.0)
+    if STORE_LOGITS:
+        tl.store(logits_ptr + t.to(tl.int64) * E + e, logits, mask=valid)
+    scores = tl.sqrt_rn(_softplus(logits))
+    key = tl.where(valid, scores + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    rank = tl.full([BLOCK_E], TOP_K, dtype=tl.int32)  # the pick's place; TOP_K: not picked
     for i in tl.static_range(TOP_K):
-        if HASHED:  # a row may name an expert twice: each pick is its own pair
-            best = tl.load(tid2eid_ptr + token * TOP_K + i, mask=t < n, other=0).to(tl.int64)
-        else:  # largest first, as torch.topk
-            best = tl.argmax(key, axis=1).to(tl.int64)
-            key = tl.where(e[None, :] == best[:, None], float("-inf"), key)
-        ids = tl.where(j[None, :] == i, best[:, None], ids)
-        score = tl.sum(tl.where(e[None, :] == best[:, None], scores, 0.0), axis=1)
-        picked = tl.where(j[None, :] == i, score[:, None], picked)
-    weights = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20) * route_scale
-    out = t[:, None] * TOP_K + j[None, :]
-    mask = (t < n)[:, None] & (j < TOP_K)[None, :]
-    tl.store(weights_ptr + out, weights, mask=mask)
-    tl.store(ids_ptr + out, ids, mask=mask)
+        best = tl.argmax(key, axis=0)
+        rank = tl.where(e == best, i, rank)
+        key = tl.where(e == best, float("-inf"), key)
+    picked = rank < TOP_K
+    total = tl.sum(tl.where(picked, scores, 0.0), axis=0)
+    out = t.to(tl.int64) * TOP_K + rank
+    tl.store(weights_ptr + out, scores / (total + 1e-20) * route_scale, mask=picked)
+    tl.store(ids_ptr + out, e.to(tl.int64), mask=picked)
 
 
-def route_triton(logits, bias, tid2eid, input_ids, top_k, route_scale, block_t: int = 16):
-    n, n_experts = logits.shape
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
-    hashed = tid2eid is not None
-    _route_kernel[(triton.cdiv(n, block_t),)](
-        logits, logits if hashed else bias, tid2eid if hashed else ids, input_ids, weights, ids, n, logits.stride(0),
-        route_scale, E=n_experts, TOP_K=top_k, HASHED=hashed, BLOCK_T=block_t,
-        BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
+@triton.jit
+def _hash_route_kernel(
+    x_ptr, w_ptr, tid2eid_ptr, input_ids_ptr, weights_ptr, ids_ptr, stride_xn, stride_we, stride_table, route_scale,
+    D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program a token of a hash layer: its k experts from the table (an expert may come twice), and only
+    those k logits (the rows of w it names against x, fp32 products, fp32 sums) for the weights."""
+    t = tl.program_id(0)
+    j = tl.arange(0, BLOCK_TOP)
+    token = tl.load(input_ids_ptr + t).to(tl.int64)
+    ids = tl.load(tid2eid_ptr + token * stride_table + j, mask=j < TOP_K, other=0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_TOP, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BLOCK_K):
+        kk = k0 + k
+        xk = tl.load(x_ptr + t.to(tl.int64) * stride_xn + kk, mask=kk < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + ids[:, None] * stride_we + kk[None, :], mask=(j < TOP_K)[:, None] & (kk < D)[None, :],
+                    other=0.0)  # fmt: skip
+        acc += w.to(tl.float32) * xk[None, :]
+    scores = tl.where(j < TOP_K, tl.sqrt_rn(_softplus(tl.sum(acc, axis=1))), 0.0)
+    weights = scores / (tl.sum(scores, axis=0) + 1e-20) * route_scale
+    out = t.to(tl.int64) * TOP_K + j
+    tl.store(weights_ptr + out, weights, mask=j < TOP_K)
+    tl.store(ids_ptr + out, ids, mask=j < TOP_K)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
+def gate_route_triton(
+    x, weight, bias, tid2eid, input_ids, top_k, route_scale, logits_out=None, *, block_e: int = 32,
+    block_k: int = 128, f32_dot: bool | None = None, route_warps: int = 4,
+):  # fmt: skip
+    """Score layers: two launches (partial logits over the whole GPU, then one program a token for the selection);
+    hash layers: one (only the picked experts' logits). No dtype copies: x and the weight are read as stored. The
+    products are exact either way: bf16 (or fp16) x and weight meet on the tensor cores, anything else (fp32, mixed
+    dtypes, the interpreter) upcasts both to fp32 for an ieee dot."""
+    n, dim = x.shape
+    n_experts = weight.shape[0]
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, top_k, dtype=torch.int64, device=x.device)
+    if n == 0:
+        return weights, ids
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if tid2eid is not None:
+        _hash_route_kernel[(n,)](
+            x, weight, tid2eid, input_ids, weights, ids, x.stride(0), weight.stride(0), tid2eid.stride(0),
+            route_scale, D=dim, TOP_K=top_k, BLOCK_TOP=triton.next_power_of_2(top_k),
+            BLOCK_K=min(512, triton.next_power_of_2(dim)), num_warps=8,
+        )  # fmt: skip
+        return weights, ids
+    if f32_dot is None:
+        f32_dot = x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) or interpreting()
+    block_e = min(block_e, max(16, triton.next_power_of_2(n_experts)))
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(block_k, max(16, triton.next_power_of_2(dim)))
+    e_blocks, n_blocks, k_blocks = triton.cdiv(n_experts, block_e), triton.cdiv(n, block_n), triton.cdiv(dim, block_k)
+    # Splits of D (a power of two, at most 32) until about two programs an SM: they depend on N only.
+    splits = 1
+    while splits < 32 and 2 * splits <= k_blocks and e_blocks * n_blocks * splits * 2 <= 2 * _multiprocessors(x.device):
+        splits *= 2
+    k_split = triton.cdiv(k_blocks, splits) * block_k
+    splits = triton.cdiv(dim, k_split)
+    partial = torch.empty(splits, n, n_experts, dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(e_blocks, splits, n_blocks)](
+        x, weight, partial, n, x.stride(0), weight.stride(0), E=n_experts, D=dim, K_SPLIT=k_split,
+        BLOCK_E=block_e, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot, num_warps=4,
+    )  # fmt: skip
+    _score_route_kernel[(n,)](
+        partial, bias, weights, ids, partial if logits_out is None else logits_out, n, route_scale,
+        E=n_experts, TOP_K=top_k, SPLITS=splits, BLOCK_E=triton.next_power_of_2(n_experts),
+        STORE_LOGITS=logits_out is not None, num_warps=route_warps,
     )  # fmt: skip
     return weights, ids
 
 
-def route(logits, bias, tid2eid, input_ids, top_k, route_scale):
-    impl = route_triton if use_triton(logits.device) else route_reference
-    return impl(logits, bias, tid2eid, input_ids, top_k, route_scale)
+def gate_route(x, weight, bias, tid2eid, input_ids, top_k, route_scale, logits_out=None):
+    impl = gate_route_triton if use_triton(x.device) else gate_route_reference
+    return impl(x, weight, bias, tid2eid, input_ids, top_k, route_scale, logits_out)
 
 
 def moe_experts_reference(
@@ -144,14 +263,6 @@ def moe_experts_reference(
         h = h * weights[token, slot, None]
         out.index_add_(0, token, (h.to(x.dtype) @ w2[e].T).float())
     return out
-
-
-@triton.jit
-def _dot(a, b, acc, F32_DOT: tl.constexpr):
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -216,10 +327,12 @@ def _down_kernel(
                      mask=valid[None, :])  # fmt: skip
 
 
-def group_pairs_by_expert(flat_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A stable counting sort of the (token, pick) pairs by expert, in a few fixed-shape launches (a radix sort of
-    six pairs took 27 µs on an H200): order [P] (pair ids grouped by expert), offsets [E + 1] (expert e's pairs are
-    order[offsets[e]:offsets[e + 1]]), active [E] (the experts that have pairs in ascending order, then E)."""
+def group_pairs_by_expert_reference(
+    flat_ids: torch.Tensor, n_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stable counting sort of the (token, pick) pairs by expert, in plain torch: order [P] (pair ids grouped by
+    expert), offsets [E + 1] (expert e's pairs are order[offsets[e]:offsets[e + 1]]), active [E] (the experts that
+    have pairs in ascending order, then E)."""
     experts = torch.arange(n_experts, device=flat_ids.device)
     one_hot = (flat_ids[:, None] == experts).int()  # [P, E]; F.one_hot would check the ids' range on the host
     counts = one_hot.sum(0)
@@ -237,23 +350,95 @@ def group_pairs_by_expert(flat_ids: torch.Tensor, n_experts: int) -> tuple[torch
     return order, offsets, active[:n_experts]
 
 
-def moe_experts_triton(
+@triton.jit
+def _group_pairs_kernel(
+    ids_ptr, order_ptr, offsets_ptr, active_ptr, P,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_MINE: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """One program: the experts [pid * BLOCK_MINE, +BLOCK_MINE). Every program counts all pairs by expert (a
+    histogram), which gives its experts' offsets and active slots; then it places its experts' pairs, each at its
+    expert's offset plus the number of earlier pairs of that expert (a running count and a prefix sum along the
+    pairs), so the order within an expert is the pairs' order. Programs write disjoint entries."""
+    e = tl.arange(0, BLOCK_E)
+    mine = tl.program_id(0) * BLOCK_MINE + tl.arange(0, BLOCK_MINE)
+    q = tl.arange(0, BLOCK_P)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + q
+        ids = tl.load(ids_ptr + p, mask=p < P, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=p < P)
+    before = e[:, None] < mine[None, :]  # [BLOCK_E, BLOCK_MINE]
+    start = tl.sum(tl.where(before, counts[:, None], 0), axis=0)
+    has = counts > 0
+    slot = tl.sum((before & has[:, None]).to(tl.int32), axis=0)
+    n_active = tl.sum(has.to(tl.int32), axis=0)
+    own = tl.sum(tl.where(e[:, None] == mine[None, :], counts[:, None], 0), axis=0)
+    in_range = mine < E
+    tl.store(offsets_ptr + mine + 1, start + own, mask=in_range)
+    tl.store(offsets_ptr + mine, 0, mask=mine == 0)
+    tl.store(active_ptr + slot, mine, mask=in_range & (own > 0))
+    tl.store(active_ptr + mine, E, mask=in_range & (mine >= n_active))
+    running = start
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + q
+        ids = tl.load(ids_ptr + p, mask=p < P, other=0)
+        hit = ((mine[:, None] == ids[None, :]) & (p < P)[None, :]).to(tl.int32)  # [BLOCK_MINE, BLOCK_P]
+        place = running[:, None] + tl.cumsum(hit, axis=1) - 1
+        tl.store(order_ptr + place, p[None, :] + tl.zeros_like(place), mask=hit != 0)
+        running += tl.sum(hit, axis=1)
+
+
+def group_pairs_by_expert_triton(flat_ids: torch.Tensor, n_experts: int, block_mine: int = 4, num_warps: int = 4):
+    """group_pairs_by_expert_reference in one launch of cdiv(E, block_mine) programs (the grid depends on E only)."""
+    pairs = flat_ids.numel()
+    order = torch.empty(pairs, dtype=torch.int64, device=flat_ids.device)
+    offsets = torch.empty(n_experts + 1, dtype=torch.int64, device=flat_ids.device)
+    active = torch.empty(n_experts, dtype=torch.int64, device=flat_ids.device)
+    block_mine = min(block_mine, triton.next_power_of_2(n_experts))
+    _group_pairs_kernel[(triton.cdiv(n_experts, block_mine),)](
+        flat_ids, order, offsets, active, pairs, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts),
+        BLOCK_MINE=block_mine, BLOCK_P=min(512, max(16, triton.next_power_of_2(pairs))), num_warps=num_warps,
+    )  # fmt: skip
+    return order, offsets, active
+
+
+def group_pairs_by_expert(flat_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = group_pairs_by_expert_triton if use_triton(flat_ids.device) else group_pairs_by_expert_reference
+    return impl(flat_ids, n_experts)
+
+
+def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit):
+    """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D]; w2 [E, D, I] -> [N * k, D] in x's dtype: each
+    (token, pick) pair's routed output, pair t * k + j for token t's pick j (moe_combine sums them)."""
+    n, top_k = ids.shape
+    out = torch.zeros(n * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    flat, flat_weights = ids.reshape(-1), weights.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pair = torch.where(flat == e)[0]
+        xe = x[pair // top_k]
+        h = swiglu((xe @ w1[e].T).float(), (xe @ w3[e].T).float(), limit) * flat_weights[pair, None]
+        out[pair] = h.to(x.dtype) @ w2[e].T
+    return out
+
+
+def moe_expert_pairs_triton(
     x, weights, ids, w1, w3, w2, limit, block_m: int | None = None, block_i: int = 32, block_d: int = 64,
     block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
 ):  # fmt: skip
+    """Three launches: the counting sort, then gate/up and down over the active experts."""
     n, dim = x.shape
     n_experts, inter, _ = w1.shape
     top_k = ids.shape[1]
     pairs = n * top_k
     if pairs == 0:
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return torch.zeros(pairs, dim, dtype=x.dtype, device=x.device)
     block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
     block_i, block_d = min(block_i, inter), min(block_d, dim)
     block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)
     if inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or w1.stride() != w3.stride():
         raise ValueError(f"expert shapes D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}")
     x = x.contiguous()
-    order, offsets, active = group_pairs_by_expert(ids.reshape(-1), n_experts)
+    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), n_experts)
     slots = min(n_experts, pairs)
     active = active[:slots]
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
@@ -272,9 +457,105 @@ def moe_experts_triton(
         E=n_experts, INTER=inter, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return y.view(n, top_k, dim).sum(1, dtype=torch.float32)
+    return y
 
 
-def moe_experts(x, weights, ids, w1, w3, w2, limit):
-    impl = moe_experts_triton if use_triton(x.device) else moe_experts_reference
+def moe_expert_pairs(x, weights, ids, w1, w3, w2, limit):
+    impl = moe_expert_pairs_triton if use_triton(x.device) else moe_expert_pairs_reference
     return impl(x, weights, ids, w1, w3, w2, limit)
+
+
+def moe_experts_triton(x, weights, ids, w1, w3, w2, limit, **launch):
+    """[N, D] fp32: the pairs' outputs summed per token (the model sums them in moe_combine instead)."""
+    n, dim = x.shape
+    pairs = moe_expert_pairs_triton(x, weights, ids, w1, w3, w2, limit, **launch)
+    return pairs.view(n, -1, dim).sum(1, dtype=torch.float32)
+
+
+# The epilogue: the shared expert's SwiGLU, and the sum of each token's picks and the shared expert.
+
+
+def shared_swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gate, up [N, I] (the shared expert's w1 and w3 projections, x's dtype) -> swiglu in fp32, in their dtype."""
+    return swiglu(gate.float(), up.float(), limit).to(gate.dtype)
+
+
+@triton.jit
+def _swiglu_kernel(
+    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, limit,
+    INTER: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < INTER
+    gate = tl.load(gate_ptr + t * stride_g + i, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + t * stride_u + i, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    tl.store(out_ptr + t * stride_o + i, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def shared_swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float, block: int = 1024) -> torch.Tensor:
+    """One launch; gate and up may be the two halves of one [N, 2I] projection (row strides of their own)."""
+    n, inter = gate.shape
+    out = torch.empty(n, inter, dtype=gate.dtype, device=gate.device)
+    if n == 0:
+        return out
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    block = min(block, triton.next_power_of_2(inter))
+    _swiglu_kernel[(n, triton.cdiv(inter, block))](
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), limit, INTER=inter, CLAMP=limit > 0, BLOCK=block,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def shared_swiglu(gate, up, limit):
+    impl = shared_swiglu_triton if use_triton(gate.device) else shared_swiglu_reference
+    return impl(gate, up, limit)
+
+
+def moe_combine_reference(pairs: torch.Tensor, shared: torch.Tensor, top_k: int) -> torch.Tensor:
+    """pairs [N * k, D] (moe_expert_pairs), shared [N, D] -> [N, D] in shared's dtype (x's): each token's k pick
+    rows summed in fp32, plus the shared expert, rounded once."""
+    n, dim = shared.shape
+    routed = pairs.view(n, top_k, dim).sum(1, dtype=torch.float32)
+    return (routed + shared.float()).to(shared.dtype)
+
+
+@triton.jit
+def _combine_kernel(
+    pairs_ptr, shared_ptr, out_ptr, stride_p, stride_s, stride_o,
+    D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[t] = ((y[t, 0] + y[t, 1]) + ... + y[t, k - 1]) + shared[t], in fp32 and in that order (deterministic)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (t * TOP_K + j) * stride_p + d, mask=mask, other=0.0).to(tl.float32)
+    acc += tl.load(shared_ptr + t * stride_s + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine_triton(pairs: torch.Tensor, shared: torch.Tensor, top_k: int, block_d: int = 1024) -> torch.Tensor:
+    n, dim = shared.shape
+    out = torch.empty(n, dim, dtype=shared.dtype, device=shared.device)
+    if n == 0:
+        return out
+    if pairs.stride(1) != 1 or shared.stride(1) != 1:
+        pairs, shared = pairs.contiguous(), shared.contiguous()
+    block_d = min(block_d, triton.next_power_of_2(dim))
+    _combine_kernel[(n, triton.cdiv(dim, block_d))](
+        pairs, shared, out, pairs.stride(0), shared.stride(0), out.stride(0), D=dim, TOP_K=top_k, BLOCK_D=block_d,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def moe_combine(pairs, shared, top_k):
+    impl = moe_combine_triton if use_triton(shared.device) else moe_combine_reference
+    return impl(pairs, shared, top_k)

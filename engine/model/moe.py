@@ -1,12 +1,17 @@
 """Mixture of experts (reference §6): hash routing (a token-id table) in the first layers, sqrt-softplus score
-routing with bias-only selection after; clamped SwiGLU experts, routing weight applied before w2; one shared expert."""
+routing with bias-only selection after; clamped SwiGLU experts, routing weight applied before w2; one shared expert.
+
+On CUDA a decode call is nine launches (eight in hash layers): router logits and selection (one in hash layers),
+the pairs' counting sort, the routed gate/up and down, the shared expert's gate/up GEMM, its SwiGLU and its down
+GEMM, and the sum of each token's picks with the shared expert in x's dtype."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.moe import moe_experts, route, swiglu
+from engine.kernels.moe import gate_route, moe_combine, moe_expert_pairs, shared_swiglu
 
 
 class Gate(nn.Module):
@@ -22,9 +27,8 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k])."""
-        logits = x.float() @ self.weight.float().T  # routing in fp32, as the reference
-        return route(logits, self.bias, self.tid2eid, input_ids, self.top_k, self.route_scale)
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k]); logits in fp32 from x and the weight as stored."""
+        return gate_route(x, self.weight, self.bias, self.tid2eid, input_ids, self.top_k, self.route_scale)
 
 
 class Experts(nn.Module):
@@ -38,14 +42,16 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """[N, D] fp32: the grouped GEMM on CUDA, the reference's loop over picked experts elsewhere."""
-        return moe_experts(x, weights, ids, self.w1, self.w3, self.w2, self.limit)
+        """[N * k, D] in x's dtype, one row a (token, pick) pair: the grouped GEMM on CUDA, the reference's loop over
+        picked experts elsewhere."""
+        return moe_expert_pairs(x, weights, ids, self.w1, self.w3, self.w2, self.limit)
 
 
 class SharedExpert(nn.Module):
-    """Every token, weight 1: dense matmuls (cuBLAS streams the three matrices at full bandwidth). It stays out of the
+    """Every token, weight 1: dense matmuls (cuBLAS streams the matrices at full bandwidth). It stays out of the
     grouped GEMM because its weights are separate tensors and, in V4-Flash checkpoints, in another format (FP8) than
-    the routed experts (FP4)."""
+    the routed experts (FP4). After fuse_gate_up, w1 and w3 are the two halves of one [2I, D] tensor and their
+    projections one GEMM."""
 
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
@@ -53,10 +59,40 @@ class SharedExpert(nn.Module):
         self.w1 = nn.Linear(dim, inter, bias=False)
         self.w3 = nn.Linear(dim, inter, bias=False)
         self.w2 = nn.Linear(inter, dim, bias=False)
+        self._w13: torch.Tensor | None = None  # a plain attribute: not in the state dict
+
+    def gate_up_weight(self) -> torch.Tensor | None:
+        """The [2I, D] tensor whose halves w1 and w3 are, while they still are (a cast or a move that replaces
+        their data undoes it), else None."""
+        w13, w1, w3 = self._w13, self.w1.weight, self.w3.weight
+        if w13 is None or w1.dtype != w13.dtype or w3.dtype != w13.dtype or w1.device != w13.device:
+            return None
+        if w1.data_ptr() != w13.data_ptr() or w3.data_ptr() != w13.data_ptr() + w1.numel() * w1.element_size():
+            return None
+        return w13
+
+    @torch.no_grad()
+    def fuse_gate_up(self) -> None:
+        """Makes w1 and w3 views of one [2I, D] tensor, values and names unchanged (the old tensors are freed, so no
+        weight memory is duplicated). Call once the weights are in their final dtype and device (after loading or
+        casting); loading into the views in place keeps them fused. Idempotent."""
+        w1, w3 = self.w1.weight, self.w3.weight
+        if self.gate_up_weight() is not None or w1.dtype != w3.dtype or w1.device != w3.device:
+            return
+        w13 = torch.cat([w1.data, w3.data])
+        w1.data, w3.data = w13[: w1.shape[0]], w13[w1.shape[0] :]
+        self._w13 = w13
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = swiglu(self.w1(x).float(), self.w3(x).float(), self.limit)
-        return self.w2(h.to(x.dtype)).float()
+        """[N, D] in x's dtype."""
+        w13 = self.gate_up_weight()
+        if w13 is not None:
+            gate_up = F.linear(x, w13)
+            inter = self.w1.weight.shape[0]
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(shared_swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
@@ -75,5 +111,7 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(dim, inter, args.swiglu_limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, D] in x's dtype: each token's k routed outputs summed in fp32 in pick order, plus the
+        shared expert, rounded once."""
         weights, ids = self.gate(x, input_ids)
-        return (self.experts(x, weights, ids) + self.shared_experts(x)).to(x.dtype)
+        return moe_combine(self.experts(x, weights, ids), self.shared_experts(x), ids.shape[1])

@@ -1,6 +1,7 @@
 """The MoE kernels (routing, grouped-GEMM experts) against their references, run by Triton's interpreter on the CPU at
 small sizes: hash and score routing, duplicate experts in a hash row, experts with no tokens, every token on one
-expert, one token and several, fp32 and bf16 weights; and the tiny model through them."""
+expert, one token and several, fp32 and bf16 weights; and the tiny model through them. The router-from-x kernels,
+the counting sort and the epilogue (shared SwiGLU, combine) are in test_moe_fused.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import pytest
 import torch
 
 import engine.model.moe as moe_model
-from engine.kernels.moe import moe_experts_reference, moe_experts_triton, route_reference, route_triton
+from engine.kernels.moe import (
+    gate_route_triton,
+    moe_combine_triton,
+    moe_expert_pairs_triton,
+    moe_experts_reference,
+    moe_experts_triton,
+    route_reference,
+    shared_swiglu_triton,
+)
 from tests.engine.conftest import prefill_logits
 
 # tests/conftest.py selects Triton's interpreter on CPU machines; tests/gpu/test_moe_gpu.py runs the checks at size.
@@ -42,18 +51,6 @@ def _assert_experts_match(x, weights, ids, w1, w3, w2, **launch):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:  # the kernel's gate/up stay fp32 where the reference rounds them; the interpreter truncates to bf16
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("hashed", [True, False], ids=["hash", "score"])
-@pytest.mark.parametrize("n", [1, 9])
-def test_route_matches_reference(hashed, n):
-    logits, bias, table, input_ids = _routing(n, hashed, torch.Generator().manual_seed(n))
-    logits[0, 2] = -30.0  # softplus far below 1: log1p must stay exact
-    ref_w, ref_ids = route_reference(logits, bias, table, input_ids, K, 1.5)
-    got_w, got_ids = route_triton(logits, bias, table, input_ids, K, 1.5)
-    assert torch.equal(got_ids, ref_ids)
-    torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(got_w.sum(-1), torch.full((n,), 1.5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -92,7 +89,9 @@ def test_tiny_model_through_the_moe_kernels(fp32_model, prompt_ids, monkeypatch)
     FLASHGATE_KERNELS=triton every kernel runs in test_model_parity.py's decode test (slow)."""
     ids = prompt_ids[:24]
     ref = prefill_logits(fp32_model, ids)
-    monkeypatch.setattr(moe_model, "route", route_triton)
-    monkeypatch.setattr(moe_model, "moe_experts", moe_experts_triton)
+    monkeypatch.setattr(moe_model, "gate_route", gate_route_triton)
+    monkeypatch.setattr(moe_model, "moe_expert_pairs", moe_expert_pairs_triton)
+    monkeypatch.setattr(moe_model, "shared_swiglu", shared_swiglu_triton)
+    monkeypatch.setattr(moe_model, "moe_combine", moe_combine_triton)
     got = prefill_logits(fp32_model, ids)
     assert (got - ref).abs().max().item() <= 1e-4
