@@ -220,7 +220,19 @@ def compressor_decode_step(
                 out, ratio, for_indexer, quant_sim)  # fmt: skip
 
 
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def _hadamard_matrix(n: int, device) -> torch.Tensor:
+    """The orthonormal n x n Hadamard matrix, made once per size and device: built per step it was 30 launches, and
+    a matrix made outside a CUDA graph capture (the warm-up run makes it) is a constant the graph only reads."""
+    key = (n, torch.device(device))
+    if key not in _HADAMARD:
+        _HADAMARD[key] = _sylvester(n, key[1])
+    return _HADAMARD[key]
+
+
+def _sylvester(n: int, device) -> torch.Tensor:
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

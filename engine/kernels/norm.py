@@ -34,25 +34,31 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, rows, stride_x, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr
+):
     row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     mask = (row[:, None] < rows) & (d[None, :] < D)
     offs = row[:, None].to(tl.int64) * D + d[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row[:, None].to(tl.int64) * stride_x + d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     y = tl.load(w_ptr + d, mask=d < D, other=0.0)[None, :] * (x * inv_rms[:, None])
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x's rows may be strided (a column slice of a fused projection's output); the output is contiguous."""
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
-    out = torch.empty_like(rows)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block_m = rows_per_program(rows.shape[0], dim)
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], block_m),)](
-        rows, weight, out, rows.shape[0], eps, D=dim, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(dim)
-    )
+        rows, weight, out, rows.shape[0], rows.stride(0), eps,
+        D=dim, BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(dim),
+    )  # fmt: skip
     return out.view(x.shape)
 
 

@@ -8,7 +8,8 @@
 official inference code does for its quantisation-aware-trained activations (`EngineConfig.quant_sim`).
 
 The index queries' simulation (46-50 torch ops, run per c4 layer and step) also has a one-launch Triton kernel
-(`simulate_index_fp4` picks).
+(`simulate_index_fp4` picks); `index_queries` runs the indexer's whole query step in that launch: RoPE, the
+simulation, and the head weights' cast and scale.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import use_triton
+from engine.kernels.rope import rope_reference
 from engine.kernels.scales import pow2
 
 FP8_MAX = 448.0
@@ -184,37 +186,102 @@ def fp4_round(x):
 
 @triton.jit
 def _index_fp4_kernel(
-    x_ptr, out_ptr, n_rows, norm,
+    x_ptr, out_ptr, n_rows, norm, stride_token, heads, pos_ptr, inv_freq_ptr, w_ptr, stride_w, w_out_ptr, w_scale,
     DIM: tl.constexpr, LOG2_DIM: tl.constexpr, BLOCK: tl.constexpr, FP4_TINY: tl.constexpr, ROWS: tl.constexpr,
+    ROPE: tl.constexpr, FP4: tl.constexpr, WEIGHTS: tl.constexpr,
 ):  # fmt: skip
+    """Rows of DIM channels, `heads` rows a token (token t's rows start at t * stride_token). With ROPE, the last
+    ROPE channels first rotate by the token's position as the rope kernel rotates them (the index queries); with
+    WEIGHTS, the token's head weights are cast to fp32 and scaled, one per row."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    at = rows[:, None].to(tl.int64) * DIM + tl.arange(0, DIM)[None, :]
-    mask = (rows < n_rows)[:, None]
-    y = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    # hadamard_rotate's butterflies in registers, in its order, so that every sum rounds as there: pass i pairs
-    # channel c with c + 2**i in each group of 2**(i + 1) channels and puts the sums first.
-    for i in tl.static_range(LOG2_DIM):
-        a, b = tl.split(tl.permute(tl.reshape(y, (ROWS, DIM >> (i + 1), 2, 1 << i)), (0, 1, 3, 2)))
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, DIM))
-    y = (y * norm).to(out_ptr.dtype.element_ty).to(tl.float32)  # the rotation comes back in x's dtype
-    # FP4 per BLOCK with a power-of-two scale; scaling by it is exact, so multiply by its inverse.
-    blocks = tl.reshape(y, (ROWS, DIM // BLOCK, BLOCK))
-    exponent = exact_ceil_log2(tl.div_rn(tl.maximum(tl.max(tl.abs(blocks), axis=2), FP4_TINY), 6.0))
-    q = fp4_round(tl.minimum(tl.maximum(blocks * pow2(-exponent)[:, :, None], -6.0), 6.0))
-    y = tl.reshape(q * pow2(exponent)[:, :, None], (ROWS, DIM))
-    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
+    live = rows < n_rows
+    token, head = rows // heads, rows % heads
+    c = tl.arange(0, DIM)
+    mask = live[:, None]
+    y = tl.load(x_ptr + (token.to(tl.int64) * stride_token + head * DIM)[:, None] + c[None, :], mask=mask, other=0.0)
+    y = y.to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if ROPE > 0:  # interleaved pairs (2i, 2i + 1) of the last ROPE channels, rotated in fp32, back in x's dtype
+        even, odd = tl.split(tl.reshape(y, (ROWS, DIM // 2, 2)))
+        pair = tl.arange(0, DIM // 2)
+        is_rope = pair >= (DIM - ROPE) // 2
+        freq = tl.load(inv_freq_ptr + pair - (DIM - ROPE) // 2, mask=is_rope, other=0.0)
+        angle = tl.load(pos_ptr + token, mask=live, other=0).to(tl.float32)[:, None] * freq[None, :]
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        rot_even = tl.where(is_rope[None, :], (even * cos - odd * sin).to(dtype).to(tl.float32), even)
+        rot_odd = tl.where(is_rope[None, :], (even * sin + odd * cos).to(dtype).to(tl.float32), odd)
+        y = tl.reshape(tl.join(rot_even, rot_odd), (ROWS, DIM))
+    if FP4:
+        # hadamard_rotate's butterflies in registers, in its order, so that every sum rounds as there: pass i pairs
+        # channel c with c + 2**i in each group of 2**(i + 1) channels and puts the sums first.
+        for i in tl.static_range(LOG2_DIM):
+            a, b = tl.split(tl.permute(tl.reshape(y, (ROWS, DIM >> (i + 1), 2, 1 << i)), (0, 1, 3, 2)))
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, DIM))
+        y = (y * norm).to(dtype).to(tl.float32)  # the rotation comes back in x's dtype
+        # FP4 per BLOCK with a power-of-two scale; scaling by it is exact, so multiply by its inverse.
+        blocks = tl.reshape(y, (ROWS, DIM // BLOCK, BLOCK))
+        exponent = exact_ceil_log2(tl.div_rn(tl.maximum(tl.max(tl.abs(blocks), axis=2), FP4_TINY), 6.0))
+        q = fp4_round(tl.minimum(tl.maximum(blocks * pow2(-exponent)[:, :, None], -6.0), 6.0))
+        y = tl.reshape(q * pow2(exponent)[:, :, None], (ROWS, DIM))
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * DIM + c[None, :], y.to(dtype), mask=mask)
+    if WEIGHTS:
+        w = tl.load(w_ptr + token.to(tl.int64) * stride_w + head, mask=live, other=0.0).to(tl.float32)
+        tl.store(w_out_ptr + rows, w * w_scale, mask=live)
+
+
+def _index_rows_launch(x, heads, positions, inv_freq, weights, w_scale, fp4: bool):
+    """x [tokens, heads * dim] (rows may be strided) -> out [tokens, heads, dim] in x's dtype, and the weights."""
+    tokens, dim = x.shape[0], x.shape[1] // heads
+    assert x.stride(1) == 1
+    n_rows, block_rows = tokens * heads, 16
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    w_out = torch.empty(tokens, heads, dtype=torch.float32, device=x.device) if weights is not None else None
+    rope = 2 * inv_freq.shape[0] if inv_freq is not None else 0
+    _index_fp4_kernel[(triton.cdiv(n_rows, block_rows),)](
+        x, out, n_rows, dim**-0.5, x.stride(0), heads, positions if rope else x, inv_freq if rope else x,
+        weights if weights is not None else x, weights.stride(0) if weights is not None else 0,
+        w_out if weights is not None else x, w_scale,
+        DIM=dim, LOG2_DIM=dim.bit_length() - 1, BLOCK=INDEX_FP4_BLOCK,
+        FP4_TINY=torch.finfo(torch.float32).tiny * FP4_MAX, ROWS=block_rows, ROPE=rope, FP4=fp4,
+        WEIGHTS=weights is not None,
+    )  # fmt: skip
+    return out, w_out
 
 
 def simulate_index_fp4_triton(x: torch.Tensor) -> torch.Tensor:
     """`simulate_index_fp4_reference` in one launch: x [..., dim] (dim a power of two, >= 32), fp32 / bf16."""
     x = x.contiguous()
-    dim, n_rows, block_rows = x.shape[-1], x.numel() // x.shape[-1], 16
-    out = torch.empty_like(x)
-    _index_fp4_kernel[(triton.cdiv(n_rows, block_rows),)](
-        x, out, n_rows, dim**-0.5, DIM=dim, LOG2_DIM=dim.bit_length() - 1, BLOCK=INDEX_FP4_BLOCK,
-        FP4_TINY=torch.finfo(torch.float32).tiny * FP4_MAX, ROWS=block_rows,
-    )  # fmt: skip
-    return out
+    out, _ = _index_rows_launch(x.view(-1, x.shape[-1]), 1, None, None, None, 1.0, fp4=True)
+    return out.view(x.shape)
+
+
+def index_queries_reference(
+    q: torch.Tensor,
+    heads: int,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    weights: torch.Tensor,
+    w_scale: float,
+    quant_sim: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's queries and head weights from their projections: q [N, heads * dim] -> RoPE at
+    positions [N] -> (with quant_sim) Hadamard + FP4 -> [N, heads, dim]; weights [N, heads] -> fp32 * w_scale."""
+    q = rope_reference(q.reshape(q.shape[0], heads, -1), positions, inv_freq)
+    if quant_sim:
+        q = simulate_index_fp4_reference(q)
+    return q, weights.float() * w_scale
+
+
+def index_queries_triton(q, heads, positions, inv_freq, weights, w_scale, quant_sim):
+    """`index_queries_reference` in one launch."""
+    return _index_rows_launch(q, heads, positions, inv_freq, weights, w_scale, fp4=quant_sim)
+
+
+def index_queries(q, heads, positions, inv_freq, weights, w_scale, quant_sim):
+    """The Triton kernel on CUDA, the reference elsewhere and for float64 (whose models round in float64)."""
+    triton_ok = use_triton(q.device) and q.dtype != torch.float64
+    impl = index_queries_triton if triton_ok else index_queries_reference
+    return impl(q, heads, positions, inv_freq, weights, w_scale, quant_sim)
 
 
 def simulate_index_fp4(x: torch.Tensor) -> torch.Tensor:

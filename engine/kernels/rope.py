@@ -54,7 +54,7 @@ def rms_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, pos_ptr, inv_freq_ptr, out_ptr, rows, rows_per_token, eps,
+    x_ptr, pos_ptr, inv_freq_ptr, out_ptr, rows, rows_per_token, stride_token, eps,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
     NORMALIZE: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
@@ -64,8 +64,10 @@ def _rope_kernel(
     live = row < rows
     mask = live[:, None] & (pair[None, :] < D // 2)
     even_offs = row[:, None].to(tl.int64) * D + 2 * pair[None, :]
-    even = tl.load(x_ptr + even_offs, mask=mask, other=0.0)
-    odd = tl.load(x_ptr + even_offs + 1, mask=mask, other=0.0)
+    token, within = (row // rows_per_token).to(tl.int64), row % rows_per_token
+    even_in = (token * stride_token + within * D)[:, None] + 2 * pair[None, :]
+    even = tl.load(x_ptr + even_in, mask=mask, other=0.0)
+    odd = tl.load(x_ptr + even_in + 1, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     if NORMALIZE:  # as rms_normalize: the fp32 1/rms is rounded to x's dtype, and so is the product
         e, o = even.to(tl.float32), odd.to(tl.float32)
@@ -90,12 +92,15 @@ def _rope_kernel(
 
 
 def _rope_launch(x, positions, inv_freq, eps, dtype, normalize: bool, inverse: bool) -> torch.Tensor:
-    dim = x.shape[-1]
-    rows = x.reshape(-1, dim)
-    out = torch.empty(rows.shape, dtype=dtype, device=x.device)
-    block_m = rows_per_program(rows.shape[0], dim)
-    _rope_kernel[(triton.cdiv(rows.shape[0], block_m),)](
-        rows, positions, inv_freq, out, rows.shape[0], rows.shape[0] // positions.shape[0], eps,
+    """x [N, ..., D]: each token's rows contiguous, tokens at any stride (a column slice of a fused projection)."""
+    dim, tokens = x.shape[-1], x.shape[0]
+    if not x[:1].is_contiguous():
+        x = x.contiguous()
+    n_rows = x.numel() // dim
+    out = torch.empty(n_rows, dim, dtype=dtype, device=x.device)
+    block_m = rows_per_program(n_rows, dim)
+    _rope_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, positions, inv_freq, out, n_rows, n_rows // max(tokens, 1), x.stride(0) if x.dim() > 1 else dim, eps,
         D=dim, ROPE=2 * inv_freq.shape[0], BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(dim // 2),
         NORMALIZE=normalize, INVERSE=inverse,
     )  # fmt: skip

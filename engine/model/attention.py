@@ -18,7 +18,8 @@ from torch import nn
 from engine.cache.kv_cache import LayerKV
 from engine.kernels.compressor import compressor_decode_step, finish_rows, pool_windows
 from engine.kernels.indexer import indexer_logits
-from engine.kernels.quant import simulate_index_fp4, simulate_kv_row_fp8
+from engine.kernels.kv_rows import decode_row_lists, write_window_rows
+from engine.kernels.quant import index_queries, simulate_kv_row_fp8
 from engine.kernels.rope import rms_rope, rope
 from engine.kernels.sparse_attention import attend_with_sink, sparse_decode_attention
 from engine.kernels.topk import topk_slots
@@ -41,11 +42,6 @@ class Compressor(nn.Module):
         self.wkv = nn.Linear(args.hidden_size, coff * dim, bias=False, dtype=torch.float32)
         self.wgate = nn.Linear(args.hidden_size, coff * dim, bias=False, dtype=torch.float32)
         self.norm = RMSNorm(dim, args.rms_norm_eps)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-token projections, in fp32 as the reference runs them: (kv, gate score)."""
-        xf = x.float()
-        return self.wkv(xf), self.wgate(xf)
 
     def compress(self, kv, score, positions: torch.Tensor, state, first_row: int, dtype: torch.dtype):
         """Prefill path: one request's next tokens; the rows of the windows they close (dense, [n, dim])."""
@@ -72,13 +68,11 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(args, 4, self.head_dim, rotary, for_indexer=True, quant_sim=quant_sim)
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index queries [N, Hi, Di], head weights [N, Hi] with both scales folded in)."""
-        q = self.rotary(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), positions)
-        if self.quant_sim:
-            q = simulate_index_fp4(q)
-        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        return q, w
+    def queries(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor):
+        """(index queries [N, Hi, Di], head weights [N, Hi] with both scales folded in) from the projections
+        wq_b(normed q LoRA) and weights_proj(x), column slices of the attention's fused GEMMs."""
+        return index_queries(q, self.n_heads, positions, self.rotary.inv_freq, weights,
+                             self.head_dim**-0.5 * self.n_heads**-0.5, self.quant_sim)  # fmt: skip
 
     def select(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Top-k row ids per query [T, k] with -1 where fewer rows are visible; ties keep the lower row first."""
@@ -119,24 +113,53 @@ class Attention(nn.Module):
         )
         self.indexer = Indexer(args, self.rotary, quant_sim) if self.ratio == 4 else None
         self.kv: LayerKV | None = None  # this layer's share of the paged cache, given by allocate_kv_cache
+        # Projections that read the same input, each group one GEMM over one weight that the members' parameters
+        # are views of (`fuse_projections`): of x, wq_a, wkv and the indexer's weights_proj; of the normed q LoRA,
+        # wq_b and the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
+        self._fused: dict[str, _FusedLinear] = {}
+
+    def _projection_groups(self) -> dict[str, list[nn.Linear]]:
+        index = self.indexer
+        groups = {"x": [self.wq_a, self.wkv, *([index.weights_proj] if index is not None else [])],
+                  "qr": [self.wq_b, *([index.wq_b] if index is not None else [])]}  # fmt: skip
+        compressors = [c for c in (self.compressor, index and index.compressor) if c is not None]
+        if compressors:
+            groups["x_fp32"] = [linear for c in compressors for linear in (c.wkv, c.wgate)]
+        return groups
+
+    def fuse_projections(self) -> None:
+        """Concatenate the weights of each projection group into one tensor and make the members' parameters views
+        of it: no weight memory is duplicated and the parameters keep their names. Call once after the weights are
+        loaded and cast; `forward` fuses on first use too, and again whenever a parameter stopped being a view of
+        its group (a cast, a move to another device), so the layer always runs the fused GEMMs."""
+        self._fused = {name: _FusedLinear(group) for name, group in self._projection_groups().items()}
+
+    def _projections(self) -> dict[str, _FusedLinear]:
+        if not self._fused or not all(f.intact() for f in self._fused.values()):
+            self.fuse_projections()
+        return self._fused
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         pos = batch.positions
-        qr = self.q_norm(self.wq_a(x))
+        fused = self._projections()
+        q_a, kv_x, *index_w = fused["x"](x)
+        qr = self.q_norm(q_a)
+        q_b, *index_q = fused["qr"](qr)
         # per-head RMS norm (weightless), then RoPE on the last rope_dim channels
-        q = rms_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
-        kv = self.rotary(self.kv_norm(self.wkv(x)), pos)
-        # A decode step only writes kv to FP8 rows, whose quantisation is the simulation's (same blocks, same
-        # power-of-two scales): rounding twice stores the same values (tests/unit/test_quant.py), so it rounds once.
-        if self.quant_sim and not (batch.decoding and self.kv.ring.fp8):
-            kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
-        proj = {"comp": self.compressor.project(x)} if self.compressor is not None else {}
-        if self.indexer is not None:
-            proj["index"] = self.indexer.compressor.project(x)
-            proj["query"] = self.indexer.queries(x, qr, pos)
+        q = rms_rope(q_b.view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
+        proj = {}
+        if self.compressor is not None:  # fp32 projections, as the reference runs them: (kv, gate score) pairs
+            comp = fused["x_fp32"](x.float())
+            proj["comp"] = (comp[0], comp[1])
+            if self.indexer is not None:
+                proj["index"] = (comp[2], comp[3])
+                proj["query"] = self.indexer.queries(index_q[0], index_w[0], pos)
         if batch.decoding:
-            out = self._decode(q, kv, proj, batch)
+            out = self._decode(q, kv_x, proj, batch)
         else:
+            kv = self.rotary(self.kv_norm(kv_x), pos)
+            if self.quant_sim:
+                kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
             parts = []
             for i, seq in enumerate(batch.states):
                 r = batch.rows(i)
@@ -178,36 +201,68 @@ class Attention(nn.Module):
             allowed = torch.cat([allowed, chosen], dim=1)
         return attend_with_sink(q, keys, allowed, self.attn_sink, self.scale)
 
-    def _decode(self, q, kv, proj, batch: ForwardBatch) -> torch.Tensor:
+    def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:
         """One token per request, batched, through the kernels (Triton on CUDA, the references elsewhere)."""
         cache = self.kv
         positions = batch.positions_i32
-        cache.ring.write(batch.slots.long() * self.window + batch.positions % self.window, kv)
+        # kv_norm, RoPE and the (FP8) row write into the window ring, one kernel. A decode step writes kv only to
+        # the ring, whose FP8 rounding is the simulation's (same blocks, same power-of-two scales): it rounds once.
+        write_window_rows(kv_x, self.kv_norm.weight, self.eps, positions, self.rotary.inv_freq, cache.ring.storage,
+                          batch.slots, self.window, self.quant_sim)  # fmt: skip
         comp_rows, rows_per_page = cache.ring.storage, self.window
-        comp_slots = torch.full((len(positions), 1), -1, dtype=torch.int32, device=q.device)
-        comp_len = torch.zeros_like(positions)
         if self.compressor is not None:
             self.compressor.decode_step(*proj["comp"], batch, cache.comp_state, cache.comp)
             comp_rows, rows_per_page = cache.comp.storage, cache.comp.rows_per_page
-            visible = (positions + 1) // self.ratio
-            if self.indexer is not None:
-                self.indexer.compressor.decode_step(*proj["index"], batch, cache.index_state, cache.index)
-                iq, iw = proj["query"]
-                logits = torch.empty(len(positions), batch.page_table.shape[1] * 64, device=q.device)
-                indexer_logits(iq, iw, cache.index.values, cache.index.scales, batch.page_table, visible, logits)
-                comp_slots = torch.empty(len(positions), self.indexer.topk, dtype=torch.int32, device=q.device)
-                topk_slots(logits, visible, batch.page_table, self.indexer.topk, comp_slots)
-                comp_len = visible.clamp(max=self.indexer.topk)
-            else:  # c128: every closed window's row, in order
-                rows = torch.arange(batch.page_table.shape[1] * rows_per_page, device=q.device)
-                pages = batch.page_table[:, rows // rows_per_page].long()
-                comp_slots = torch.where(rows[None, :] < visible[:, None], pages * rows_per_page + rows % rows_per_page,
-                                         -1).int()  # fmt: skip
-                comp_len = visible
+        if self.indexer is not None:
+            self.indexer.compressor.decode_step(*proj["index"], batch, cache.index_state, cache.index)
+        # What this layer kind's queries see of the compressed rows: the same for every layer of the kind, made once
+        # a step (the row lists of c128 layers: every visible row, in order).
+        limit = self.indexer.topk if self.indexer is not None else (2**31 - 1 if self.ratio else 0)
+        visible, comp_len, comp_slots = batch.per_step(
+            ("rows", self.ratio),
+            self.layer_id,
+            lambda: decode_row_lists(positions, batch.page_table, self.ratio, rows_per_page, limit,
+                                     with_slots=self.ratio > 4),
+        )  # fmt: skip
+        if self.indexer is not None:
+            iq, iw = proj["query"]
+            logits = torch.empty(len(positions), batch.page_table.shape[1] * 64, device=q.device)
+            indexer_logits(iq, iw, cache.index.values, cache.index.scales, batch.page_table, visible, logits)
+            comp_slots = torch.empty(len(positions), self.indexer.topk, dtype=torch.int32, device=q.device)
+            topk_slots(logits, visible, batch.page_table, self.indexer.topk, comp_slots)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         return sparse_decode_attention(q, self.attn_sink, self.scale, cache.ring.storage, batch.slots, positions,
                                        comp_rows, rows_per_page, comp_slots, comp_len, out, self.window,
                                        self.rotary.rope_dim)  # fmt: skip
+
+
+class _FusedLinear:
+    """Bias-free linears that read the same input, as one GEMM: their weights concatenated along the output
+    dimension into one tensor, each member's parameter a view of its rows. Calling it returns each member's output,
+    column slices of the one product."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.sizes = [linear.out_features for linear in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight.detach() for linear in linears])
+            offset = 0
+            for linear, size in zip(linears, self.sizes, strict=True):
+                linear.weight.data = self.weight[offset : offset + size]
+                offset += size
+
+    def intact(self) -> bool:
+        """Whether every member's parameter is still a view of the fused weight (a cast or a move replaces it)."""
+        base, step, offset = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size(), 0
+        for linear, size in zip(self.linears, self.sizes, strict=True):
+            w = linear.weight
+            if w.dtype != self.weight.dtype or w.device != self.weight.device or w.data_ptr() != base + offset * step:
+                return False
+            offset += size
+        return True
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
 
 
 def _rows_mask(picked: torch.Tensor, n: int) -> torch.Tensor:

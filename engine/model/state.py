@@ -6,7 +6,9 @@ and a page table whose pages hold its compressed rows and index keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +38,8 @@ class ForwardBatch:
     slots: torch.Tensor | None = field(init=False, default=None)  # [B] int32 window-ring slots
     positions_i32: torch.Tensor | None = field(init=False, default=None)  # [B] int32, decode only
     page_table: torch.Tensor | None = field(init=False, default=None)  # [B, max pages] int32
+    # Tensors a step derives once for all its layers (`per_step`): key -> (the layer that made it, value).
+    _per_step: dict[Any, tuple[int, Any]] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.starts = []
@@ -50,6 +54,16 @@ class ForwardBatch:
         self.decoding = all(n == 1 for n in self.lens)
         if self.decoding:
             self.positions_i32 = self.positions.int()
+
+    def per_step(self, key, layer_id: int, make: Callable[[], Any]) -> Any:
+        """A value of this step that every layer derives alike from the batch's inputs (e.g. the compressed-row
+        lists of a layer kind), made by the first layer that asks and reused by the others. A layer runs once a
+        step, so one asking again for what it made itself is in a new step over the same batch (a CUDA graph's
+        warm-up, then its capture; each replay): it makes the value again, inside whatever is being captured."""
+        made = self._per_step.get(key)
+        if made is None or made[0] == layer_id:
+            made = self._per_step[key] = (layer_id, make())
+        return made[1]
 
     def rows(self, i: int) -> slice:
         return slice(self.starts[i], self.starts[i] + self.lens[i])
