@@ -1,5 +1,18 @@
 """The engine core: requests in, one `step()` at a time (schedule, run, sample), outputs out. The offline `LLM`
-and the HTTP server are both thin loops over it."""
+and the HTTP server are both thin loops over it.
+
+Steps overlap. `step()` schedules and queues step n+1 on the device before it reads step n's tokens, so the host's
+work (scheduling, batch preparation, then appending step n's tokens, detokenising, stop checks and whatever the
+caller does with the outputs) runs while the device computes step n+1. Step n+1's input ids are step n's sampled
+ids, copied on the device. A request whose token in flight is its last by max_tokens (or the context) runs no more
+and gives its pages back when step n+1 is scheduled, as without overlap. One that stops on step n's token (a stop
+id or string, EOS) was scheduled in step n+1 too: that token is dropped when step n+1 is read, and its pages are
+freed when it finishes, as an aborted request's are; the device runs step n+1 before anything queued later reuses
+them. Only plain greedy tokens are taken on the device: a step with a request that samples on the host
+(temperature, seed, logprobs, a grammar, which needs the previous token to mask the next) is read at once, so the
+step after it is scheduled as without overlap. Each request's tokens are the same either way, as far as its
+numbers do not depend on the rest of its batch (the extra step of a stopped request can change a later batch).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
@@ -56,6 +69,8 @@ class LLMEngine:
         # One request alone must always fit the pool, so no request grows past it (see scheduler.py).
         self.max_request_tokens = min(self.context_length, self.kv_capacity_tokens)
         self.sequences: dict[str, Sequence] = {}
+        self.in_flight: LaunchedStep | None = None  # the step on the device whose tokens are still to be read
+        self.overlap = True  # False: read every step's tokens before the next is scheduled (tests compare the two)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -84,6 +99,7 @@ class LLMEngine:
         if len(ids) >= self.kv_capacity_tokens:
             raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {self.kv_capacity_tokens}")
         seq = Sequence(ids, params, self.tokenizer.detokenizer())
+        seq.max_output = min(params.max_tokens, self.max_request_tokens - len(ids))
         if request_id is not None:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq
@@ -91,17 +107,29 @@ class LLMEngine:
         return seq.request_id
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        in_flight = self.in_flight.seqs if self.in_flight is not None else ()
+        return self.scheduler.has_work() or any(not seq.finished for seq in in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that produced a token this step."""
+        """Queue the next batch, then read the tokens of the one before it (and of this one when it samples on the
+        host, or without overlap); an output for every request that got a token."""
         work = self.scheduler.schedule()
-        if not work:
-            return []
+        previous, self.in_flight = self.in_flight, None
+        launched = self.runner.launch(work, previous) if work else None
+        outputs = self._read(previous) if previous is not None else []
+        if launched is not None:
+            if launched.on_device and self.overlap:
+                self.in_flight = launched
+            else:
+                outputs += self._read(launched)
+        return outputs
+
+    def _read(self, step: LaunchedStep) -> list[RequestOutput]:
         outputs = []
-        for item, result in zip(work, self.runner.run(work), strict=True):
-            if result is not None:
-                outputs.append(self._append(item.seq, *result))
+        for seq, (token, logprob) in zip(step.seqs, step.results(), strict=True):
+            seq.num_in_flight -= 1
+            if not seq.finished:  # else it finished (or was aborted) before this step was read: the token is dropped
+                outputs.append(self._append(seq, token, logprob))
         return outputs
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
@@ -127,7 +155,7 @@ class LLMEngine:
         elif stop := next((s for s in params.stop if s in seq.text[max(0, before - len(s) + 1) :]), None):
             seq.text = seq.text[: seq.text.index(stop, max(0, before - len(stop) + 1))]
             reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_request_tokens:
+        elif len(seq.output_ids) >= seq.max_output:
             reason = "length"
         if reason is not None:
             if not params.stop or not any(s in seq.text for s in params.stop):

@@ -1,5 +1,6 @@
-"""Loads the model, sizes and allocates the KV pool, and runs one scheduled step: build the flattened batch,
-forward, logits, sample. Boot stages `weights`, `kv_alloc` and `graph_capture` are logged as they happen.
+"""Loads the model, sizes and allocates the KV pool, and queues one scheduled step on the device (`launch`): build
+the flattened batch, forward, logits, sample, without waiting for the device (see llm_engine.py). Boot stages
+`weights`, `kv_alloc` and `graph_capture` are logged as they happen.
 
 KV pool sizing. On CUDA the pool gets what `gpu_memory_utilization` leaves after the weights, the CUDA-graph pool
 and the peak workspace of the largest step the scheduler admits (`max_num_batched_tokens` tokens, whatever
@@ -31,7 +32,7 @@ from engine.model.loader import load_model
 from engine.model.state import ForwardBatch, SequenceState
 from engine.sampler import sample
 from engine.scheduler import ScheduledWork
-from engine.sequence import TokenLogprob
+from engine.sequence import Sequence, TokenLogprob
 
 log = structlog.get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,6 +111,11 @@ class ModelRunner:
         # graphs' padding rows).
         cache = self.model.allocate_kv_cache(self.pool, config.max_num_seqs + graphs, config.kv_cache_dtype)
         self.kv_cache_dtype = cache.kv_dtype
+        # Every slot's page table, on the device, zero past its pages; a step uploads only the entries added since
+        # the last (the first self._uploaded[s] pages of slot s are there).
+        self.page_tables = torch.zeros(cache.num_slots, self.layout.pages_for(context_length), dtype=torch.int32,
+                                       device=self.device)  # fmt: skip
+        self._uploaded = [0] * cache.num_slots
         log.info(
             "boot_stage",
             stage="kv_alloc",
@@ -200,58 +206,126 @@ class ModelRunner:
         return workspace, graph_bytes
 
     def release(self, state: SequenceState) -> None:
-        """A finished or preempted request gives its cache slot (and pages) back."""
+        """A finished or preempted request gives its cache slot (and pages) back; its page table row goes back to
+        zeros (after the steps already queued have read it)."""
+        self.page_tables[state.slot, : self._uploaded[state.slot]].zero_()
+        self._uploaded[state.slot] = 0
         self.model.release_state(state)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(values)
+        """One host-to-device copy that does not wait for the device (from pinned memory, which the caching host
+        allocator keeps until the copy is done)."""
+        tensor = torch.tensor(values, dtype=torch.long)
         if self.pin_memory:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
 
     @torch.inference_mode()
-    def run(self, work: list[ScheduledWork]) -> list[tuple[int, TokenLogprob | None] | None]:
-        """Advance each scheduled request by its tokens; a sampled token for those whose prompt is now complete."""
-        ids, positions, states, lens = [], [], [], []
+    def launch(self, work: list[ScheduledWork], previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue one step on the device: each scheduled request advances by its tokens, and those whose prompt is
+        now complete sample their next token. Nothing here waits for the device: a request whose last token is
+        still in flight (sampled by `previous`, not yet read) takes it from `previous`'s tokens on the device, and
+        the batch's host data goes over in one copy: input ids, positions, slots, the rows of its page tables that
+        grew since the last step (kept per slot on the device), and the rows to sample."""
+        ids, positions, slots, lens, states = [], [], [], [], []
+        src, dst = [], []  # rows of `previous`'s tokens -> rows of this step's input ids
+        table_at, table_pages = [], []  # new entries of the page tables, as flat indices into self.page_tables
+        last_rows, sampled = [], []
+        width = self.page_tables.shape[1]
         for item in work:
-            seq = item.seq
+            seq, n = item.seq, item.num_tokens
             if seq.state is None:
                 seq.state = self.model.new_state(seq.page_table)
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + item.num_tokens])
-            positions.extend(range(start, start + item.num_tokens))
-            states.append(seq.state)
-            lens.append(item.num_tokens)
-        batch = ForwardBatch(self._to_device(ids), self._to_device(positions), states, lens)
-        self.model.prepare(batch)
-        sampling = [item.completes_prompt for item in work]
+            state, start = seq.state, seq.num_computed
+            if state.num_tokens != start:
+                raise ValueError(f"request continues at position {start} but has processed {state.num_tokens} tokens")
+            if seq.num_in_flight:  # one decode row: its token is the one `previous` sampled
+                src.append(previous.rows[seq.request_id])
+                dst.append(len(ids))
+                ids.append(0)
+            else:
+                ids += seq.token_ids(start, start + n)
+            positions += range(start, start + n)
+            pages, uploaded = state.table.pages, self._uploaded[state.slot]
+            if len(pages) > uploaded:
+                table_at += range(state.slot * width + uploaded, state.slot * width + len(pages))
+                table_pages += pages[uploaded:]
+                self._uploaded[state.slot] = len(pages)
+            slots.append(state.slot)
+            lens.append(n)
+            states.append(state)
+            if item.completes_prompt:
+                last_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        parts = [ids, positions, slots, src, dst, table_at, table_pages, last_rows]
+        data = self._to_device([v for part in parts for v in part]).split([len(part) for part in parts])
+        input_ids, positions_d, slots_d, src_d, dst_d, table_at_d, table_pages_d, last_rows_d = data
+        if table_at:
+            self.page_tables.view(-1).index_copy_(0, table_at_d, table_pages_d.int())
+        if src:
+            input_ids.index_copy_(0, dst_d, previous.tokens.index_select(0, src_d))
+        batch = ForwardBatch(input_ids, positions_d, states, lens)
+        used = max(len(state.table.pages) for state in states)
+        batch.set_tables(self.page_tables[:, :used].index_select(0, slots_d), slots_d.int())
         if self.graphs is not None and self.graphs.fits(batch):
             # A one-token chunk of a longer prompt also runs as a decode row; it does not sample.
-            logits = self.graphs.replay(batch)[[i for i, s in enumerate(sampling) if s]]
+            logits = self.graphs.replay(batch)
+            if len(last_rows) < len(states):
+                logits = logits.index_select(0, last_rows_d)
         else:
             streams = self.model.run_layers(batch)
-            last_rows = [batch.starts[i] + lens[i] - 1 for i, s in enumerate(sampling) if s]
-            logits = self.model.logits(streams[last_rows]) if last_rows else None
+            logits = self.model.logits(streams.index_select(0, last_rows_d)) if sampled else None
         self.model.advance(batch)
-        sampled = [item.seq for item, samples in zip(work, sampling, strict=True) if samples]
-        choices = iter(self._sample(logits, sampled) if sampled else [])
-        results = []
-        for item, samples in zip(work, sampling, strict=True):
+        for item in work:
             item.seq.num_computed += item.num_tokens
-            results.append(next(choices) if samples else None)
-        return results
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, seqs: list) -> list[tuple[int, TokenLogprob | None]]:
-        """One token per row of `logits` [M, vocab]. Plain greedy batches take the argmax on the device and copy
-        M ids back instead of M x vocab logits."""
-        if all(seq.params.greedy and seq.params.constraint is None and seq.params.logprobs is None for seq in seqs):
-            return [(token, None) for token in logits.argmax(dim=-1).tolist()]
+        for seq in sampled:
+            seq.num_in_flight += 1
+        if not sampled:
+            return LaunchedStep([], results=[])
+        if all(seq.params.greedy and seq.params.constraint is None and seq.params.logprobs is None for seq in sampled):
+            # Plain greedy: the argmax stays on the device for the next step; the host reads M ids, not M x vocab.
+            return LaunchedStep(sampled, tokens=logits.argmax(dim=-1), pin_memory=self.pin_memory)
         logits = logits.cpu()
-        return [
-            sample(logits[row], seq.params, seq.generator, seq.params.max_tokens - len(seq.output_ids))
-            for row, seq in enumerate(seqs)
-        ]
+        remaining = [seq.params.max_tokens - len(seq.output_ids) for seq in sampled]
+        return LaunchedStep(sampled, results=[
+            sample(logits[row], seq.params, seq.generator, left)
+            for row, (seq, left) in enumerate(zip(sampled, remaining, strict=True))
+        ])  # fmt: skip
+
+
+class LaunchedStep:
+    """A step queued on the device: the requests it samples a token for, in order, and those tokens. Tokens sampled on
+    the host (seeds, temperature, logprobs, constraints) are known at once; greedy ones stay on the device
+    (`tokens`, which the next step reads) until `results()` waits for this step alone."""
+
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        tokens: torch.Tensor | None = None,
+        results: list[tuple[int, TokenLogprob | None]] | None = None,
+        pin_memory: bool = False,
+    ):
+        self.seqs, self.tokens, self._results = seqs, tokens, results
+        self.rows = {seq.request_id: row for row, seq in enumerate(seqs)}
+        self._host, self._done = tokens, None
+        if tokens is not None and tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin_memory)
+            self._host.copy_(tokens, non_blocking=pin_memory)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    @property
+    def on_device(self) -> bool:
+        """Its tokens are still to be read: the host may queue the next step first."""
+        return self._results is None
+
+    def results(self) -> list[tuple[int, TokenLogprob | None]]:
+        """(token, logprob record) per request of `seqs`; waits for this step's tokens, not for later steps."""
+        if self._results is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._results = [(token, None) for token in self._host.tolist()]
+        return self._results
 
 
 def _since(started: float) -> float:

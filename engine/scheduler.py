@@ -8,6 +8,11 @@ page and none is free, the youngest running request is preempted by recompute: i
 dropped and it goes back to the front of the waiting queue, keeping its output; on re-admission its prompt and
 output are prefilled again and it goes on exactly where it was. The oldest request therefore always progresses: the
 engine caps every request at the pool's capacity, so one request alone always fits.
+
+The engine schedules a step while the previous one still runs on the device (llm_engine.py): a request whose token
+in flight is its last (`Sequence.out_of_budget`) leaves `running` and gives its pages back at once, as it would have
+finished before this step without the overlap; a preempted request whose token is in flight waits for it before it
+is re-admitted (its prefill needs every token on the host).
 """
 
 from __future__ import annotations
@@ -55,8 +60,16 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if seq.out_of_budget:
+                # Its token in flight is its last: it runs no more, and its pages and slot go back now (the device
+                # finishes the step in flight before any later step reuses them). The engine finishes it on reading.
+                self.running.pop(i)
+                self._drop_state(seq)
+                continue
             # A prefill chunk leaves room for the decode tokens of the requests behind it, which come first.
-            decodes_behind = 0 if seq.decoding else sum(s.decoding for s in self.running[i + 1 :])
+            decodes_behind = (
+                0 if seq.decoding else sum(s.decoding and not s.out_of_budget for s in self.running[i + 1 :])
+            )
             n = min(seq.num_pending, budget - decodes_behind)
             if n > 0:
                 if not self._hold_pages(seq, seq.num_computed + n):
@@ -66,6 +79,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_in_flight:  # preempted with a token in flight: re-admitted once it is read
+                break
             if seq.page_table.pages_needed(seq.num_tokens, self.pool.page_size) > self.pool.num_free:
                 break
             self.waiting.popleft()

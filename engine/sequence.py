@@ -1,5 +1,9 @@
 """One request as the engine tracks it: tokens so far, how far the model has processed them, its model state and
-the KV pages it holds."""
+the KV pages it holds.
+
+A sampled token is counted from the step that samples it: while that step is still on the device (the engine runs
+the next step before reading it, see llm_engine.py) it is `num_in_flight`, part of `num_tokens` but not yet in
+`output_ids`; the next step reads it from the device."""
 
 from __future__ import annotations
 
@@ -47,18 +51,32 @@ class Sequence:
     # The pages of the tokens processed so far, shared with `state`: what the model's paged cache indexes.
     page_table: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None
+    num_in_flight: int = 0  # sampled tokens still on the device, not yet in `output_ids`
+    # The most tokens it may generate: max_tokens, lowered by the engine so the request fits its context.
+    max_output: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.max_output = self.params.max_tokens
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole request."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_in_flight
+
+    @property
+    def out_of_budget(self) -> bool:
+        """Its tokens in flight end it (max_output): it is not run again, whatever they are."""
+        return len(self.output_ids) + self.num_in_flight >= self.max_output
 
     @property
     def num_pending(self) -> int:

@@ -1,6 +1,10 @@
 """The engine's one background thread. It alone touches the LLMEngine: it takes commands (add, abort, stop) from a
 thread-safe inbox, runs `step()` while there is work, enforces request timeouts, and hands each request's outputs
-to the event loop on that request's asyncio queue. Handlers only submit, abort and read the published stats."""
+to the event loop on that request's asyncio queue. Handlers only submit, abort and read the published stats.
+
+`step()` returns when it has queued the next step on the device, with the outputs of the one before it
+(llm_engine.py): delivering them, applying commands and publishing stats run while the device computes. An abort
+between steps frees the request's pages at once; the token the device is still computing for it is dropped."""
 
 from __future__ import annotations
 

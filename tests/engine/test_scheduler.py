@@ -25,13 +25,13 @@ def prompts(*lengths: int) -> list[list[int]]:
 
 def record_steps(engine: LLMEngine) -> list[list[tuple[str, int, bool]]]:
     """Each step's work as (request id, tokens, was decoding), seen as the runner receives it."""
-    steps, run = [], engine.runner.run
+    steps, launch = [], engine.runner.launch
 
-    def observed(work):
+    def observed(work, previous):
         steps.append([(w.seq.request_id, w.num_tokens, w.seq.decoding) for w in work])
-        return run(work)
+        return launch(work, previous)
 
-    engine.runner.run = observed
+    engine.runner.launch = observed
     return steps
 
 
