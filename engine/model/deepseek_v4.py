@@ -13,7 +13,7 @@ from engine.cache.pool import PagePool, PageTable
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.layers import RMSNorm
-from engine.model.mhc import HyperConnection, HyperHead
+from engine.model.mhc import HcMix, HyperConnection, HyperHead
 from engine.model.moe import MoE
 from engine.model.state import ForwardBatch, SequenceState
 
@@ -33,11 +33,17 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x, post, comb = self.hc_attn.pre(streams)
-        streams = HyperConnection.post(self.attn(self.attn_norm(x), batch), streams, post, comb)
-        x, post, comb = self.hc_ffn.pre(streams)
-        return HyperConnection.post(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb)
+    def forward(
+        self, streams: torch.Tensor, batch: ForwardBatch, next_fn: torch.Tensor, mix: HcMix | None = None
+    ) -> tuple[torch.Tensor, HcMix]:
+        """streams [N, hc, D] (and their mixes with hc_attn.fn when the previous block made them) -> the new streams
+        and their mixes with `next_fn`, the weights of the hc_pre or hc_head that reads them next. Each hc_post
+        makes the next mixes in the same pass (hc_post_mix)."""
+        x, post, comb = self.hc_attn.pre(streams, mix)
+        out = self.attn(self.attn_norm(x), batch)
+        streams, mix = HyperConnection.post_mix(out, streams, post, comb, self.hc_ffn.fn)
+        x, post, comb = self.hc_ffn.pre(streams, mix)
+        return HyperConnection.post_mix(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb, next_fn)
 
 
 class MTPLayer(Block):
@@ -55,7 +61,7 @@ class MTPLayer(Block):
 
     def predict(self, streams: torch.Tensor, next_embeds: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_embeds))[:, None, :]
-        return self.norm(self.hc_head(self.forward(x, batch)))
+        return self.norm(self.hc_head(*self.forward(x, batch, self.hc_head.fn)))
 
 
 class DeepseekV4(nn.Module):
@@ -134,8 +140,12 @@ class DeepseekV4(nn.Module):
         host sync or a data-dependent shape, so it can be captured in a CUDA graph (engine/cuda_graphs.py)."""
         h = self.embed(batch.input_ids)
         streams = h[:, None, :].expand(-1, self.args.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            streams = layer(streams, batch)
+        mix = None  # the embedding's streams: the first hc_pre makes their mixes itself
+        # The last block's mixes (with hc_head's weights) are dropped: logits() takes any rows of the streams (a
+        # prefill's last ones), so hc_head makes its own.
+        next_fns = [*(layer.hc_attn.fn for layer in self.layers[1:]), self.hc_head.fn]
+        for layer, next_fn in zip(self.layers, next_fns, strict=True):
+            streams, mix = layer(streams, batch, next_fn, mix)
         return streams
 
     @staticmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.mhc import hc_head, hc_post, hc_pre
+from engine.kernels.mhc import HcMix, hc_head, hc_post_mix, hc_pre
 
 
 class HyperConnection(nn.Module):
@@ -21,14 +21,18 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [N, hc, D] -> (sublayer input [N, D], post [N, hc], comb [N, hc, hc]), weights in fp32."""
-        return hc_pre(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps, self.sinkhorn_iters)
+    def pre(self, streams: torch.Tensor, mix: HcMix | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [N, hc, D] -> (sublayer input [N, D], post [N, hc], comb [N, hc, hc]), weights in fp32. `mix`: the
+        streams' mixes with self.fn, from the hc_post that made them (`post_mix`)."""
+        return hc_pre(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps, self.sinkhorn_iters, mix)
 
     @staticmethod
-    def post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """H'_j = post_j * F + sum_i comb[i, j] * H_i."""
-        return hc_post(out, streams, post, comb)
+    def post_mix(
+        out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, next_fn: torch.Tensor
+    ) -> tuple[torch.Tensor, HcMix]:
+        """H'_j = post_j * F + sum_i comb[i, j] * H_i, and H''s mixes with the weights `next_fn` of the hc_pre (or
+        hc_head) that reads them next, in one pass."""
+        return hc_post_mix(out, streams, post, comb, next_fn)
 
 
 class HyperHead(nn.Module):
@@ -41,5 +45,5 @@ class HyperHead(nn.Module):
         self.base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return hc_head(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps)
+    def forward(self, streams: torch.Tensor, mix: HcMix | None = None) -> torch.Tensor:
+        return hc_head(streams, self.fn, self.base, self.scale, self.hc_eps, self.norm_eps, mix)

@@ -66,6 +66,40 @@ def test_hc_post(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 64, 70])  # one token, a few (no tl.dot), a full dot block, a partial one
+def test_hc_post_mix_feeds_the_next_hc_pre_and_hc_head(dtype, n):
+    """hc_post fused with the next hc_pre's (or hc_head's) mixes: the same new streams, split mixes that sum to the
+    reference's, and hc_pre / hc_head from them give what they give making their own mixes."""
+    gen = torch.Generator().manual_seed(6)
+    streams = torch.randn(n, HC, DIM, generator=gen).to(dtype)
+    out = (torch.randn(n, DIM, generator=gen) * 3).to(dtype)
+    post = 2 * torch.rand(n, HC, generator=gen)
+    comb = torch.rand(n, HC, HC, generator=gen)
+    pre_params = (*_hc_params((2 + HC) * HC, 3, gen), HC_EPS, NORM_EPS, ITERS)
+    head_params = (*_hc_params(HC, 1, gen), HC_EPS, NORM_EPS)
+    mixes = {}
+    for fn in (pre_params[0], head_params[0]):
+        new, mix = mhc.hc_post_mix_triton(out, streams, post, comb, fn)
+        new_ref, mix_ref = mhc.hc_post_mix_reference(out, streams, post, comb, fn)
+        _close(new, new_ref)
+        # The mixes are those of the streams stored (the interpreter rounds bf16 its own way: compare with those).
+        want = mhc.hc_mix_reference(new, fn)
+        assert mix.dots.shape[:2] == (n, fn.shape[0]) and mix.sq.shape == (n, mix.dots.shape[2])
+        torch.testing.assert_close(mix.sq.sum(-1), want.sq[:, 0], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(mix.dots.sum(-1), want.dots[:, :, 0], rtol=1e-5, atol=1e-4)
+        mixes[fn.shape[0]] = mix, mix_ref
+    want = mhc.hc_pre_reference(new, *pre_params)
+    for got, ref in zip(mhc.hc_pre_triton(new, *pre_params, mix=mixes[(2 + HC) * HC][0]), want, strict=True):
+        _close(got, ref)
+    want = mhc.hc_pre_reference(new_ref, *pre_params)
+    for got, ref in zip(mhc.hc_pre_reference(new_ref, *pre_params, mix=mixes[(2 + HC) * HC][1]), want, strict=True):
+        _close(got, ref)
+    _close(mhc.hc_head_triton(new, *head_params, mix=mixes[HC][0]), mhc.hc_head_reference(new, *head_params))
+    want = mhc.hc_head_reference(new_ref, *head_params)
+    _close(mhc.hc_head_reference(new_ref, *head_params, mix=mixes[HC][1]), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", TOKENS)
 def test_hc_head(dtype, n):
     gen = torch.Generator().manual_seed(2)

@@ -62,6 +62,48 @@ def test_hc_post_and_head_at_flash_sizes(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [*TOKENS, 48, 2048])  # 48: a captured size not a power of two; 2048: a prefill chunk
+def test_hc_post_mix_at_flash_sizes_eager_and_in_a_cuda_graph(dtype, n):
+    """hc_post fused with the next hc_pre's mixes, then that hc_pre (and likewise hc_head): what the separate
+    references give, and a captured graph's replay on new inputs gives what eager launches give."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    streams = torch.randn(n, HC, DIM, device=DEV, generator=gen).to(dtype)
+    out = (torch.randn(n, DIM, device=DEV, generator=gen) * 3).to(dtype)
+    post = 2 * torch.rand(n, HC, device=DEV, generator=gen)
+    comb = torch.rand(n, HC, HC, device=DEV, generator=gen)
+    pre_params = (*_hc_params((2 + HC) * HC, 3, gen), HC_EPS, NORM_EPS, ITERS)
+    head_params = (*_hc_params(HC, 1, gen), HC_EPS, NORM_EPS)
+
+    def fused():
+        new, mix = mhc.hc_post_mix_triton(out, streams, post, comb, pre_params[0])
+        x, post2, comb2 = mhc.hc_pre_triton(new, *pre_params, mix=mix)
+        new2, mix = mhc.hc_post_mix_triton(x, new, post2, comb2, head_params[0])
+        return new, x, post2, comb2, new2, mhc.hc_head_triton(new2, *head_params, mix=mix)
+
+    got = fused()
+    # Each reference step starts from the kernels' previous outputs: a last-bit difference in a stream would
+    # otherwise move a cancelling weighted sum by more than its own rounding.
+    want = (mhc.hc_post_reference(out, streams, post, comb), *mhc.hc_pre_reference(got[0], *pre_params))
+    want += (mhc.hc_post_reference(got[1], got[0], got[2], got[3]), mhc.hc_head_reference(got[4], *head_params))
+    for g, w in zip(got, want, strict=True):
+        _close(g, w)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused()
+    streams.copy_(torch.randn(n, HC, DIM, device=DEV, generator=gen).to(dtype))
+    out.copy_((torch.randn(n, DIM, device=DEV, generator=gen) * 3).to(dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip(captured, fused(), strict=True):  # deterministic: splits summed in a fixed order, no atomics
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", TOKENS)
 def test_rms_norm_at_flash_sizes(dtype, n):
     gen = torch.Generator(device=DEV).manual_seed(2)
