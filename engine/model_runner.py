@@ -88,6 +88,7 @@ class ModelRunner:
 
         started = time.monotonic()
         self.model = load_model(config.model, self.dtype, self.device, config.quant_sim, load_format=config.load_format)
+        self.model.fuse_projections()
         if self.device.type == "cuda":
             weights_bytes = torch.cuda.memory_allocated(self.device)
         else:

@@ -84,6 +84,16 @@ class DeepseekV4(nn.Module):
                 param.data = param.data.to(dtype)
         return self
 
+    def fuse_projections(self) -> DeepseekV4:
+        """Once the weights are final (loaded, cast, on their device), for serving: projections that read the same
+        input become one GEMM over one weight their parameters are views of (each attention layer's groups, each
+        shared expert's gate and up). Names and values are unchanged and no weight memory is duplicated, but a
+        state dict of views cannot be saved as safetensors, so checkpoint tools do not call it."""
+        for block in (*self.layers, *self.mtp):
+            block.attn.fuse_projections()
+            block.ffn.shared_experts.fuse_gate_up()
+        return self
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
