@@ -90,6 +90,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     model = load_model(write_model_dir(Path(tempfile.mkdtemp())), torch.bfloat16, DEV, load_format="dummy")
+    model.fuse_projections()  # as the serving runner does
     layout = KVLayout.for_model(model.args, 256, "fp8_e4m3")
     pool = PagePool(max(BATCHES) * layout.pages_for(CONTEXT + 1) + 1, 256)
     cache = model.allocate_kv_cache(pool, max(BATCHES) + 1, "fp8_e4m3")
