@@ -25,12 +25,26 @@ def attend_with_sink(
     q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """The formula on dense inputs: q [T, H, D], keys [L, D], allowed [T, L] bool, sink [H] -> [T, H, D] fp32."""
-    s = torch.einsum("thd,ld->thl", q.float(), keys.float()) * scale
-    s = s.masked_fill(~allowed[:, None, :], float("-inf"))
+    return attend_parts_with_sink(q, [(keys, allowed)], sink, scale)
+
+
+def attend_parts_with_sink(
+    q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The formula over keys given in parts, one softmax across them all: q [T, H, D]; each part (keys, allowed),
+    keys [L, D] shared by every query or [T, L, D] a set per query, allowed [T, L] bool; sink [H] -> [T, H, D] fp32.
+    Per-query parts let each query bring only its own rows (window, top-k) instead of masking their union."""
+    q = q.to(torch.promote_types(q.dtype, torch.float32))  # fp32, or float64 for a float64 model (tests)
+    s = torch.cat([torch.einsum("thd,ld->thl" if k.dim() == 2 else "thd,tld->thl", q, k.to(q.dtype)) for k, _ in parts],
+                  -1)  # fmt: skip
+    s = (s * scale).masked_fill_(~torch.cat([a for _, a in parts], dim=-1)[:, None, :], float("-inf"))
     m = torch.maximum(s.amax(dim=-1), sink[None, :])
-    p = torch.exp(s - m[..., None])
+    p = s.sub_(m[..., None]).exp_()
     denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
-    return torch.einsum("thl,ld->thd", p, keys.float()) / denom[..., None]
+    out = torch.zeros_like(q)
+    for pk, (k, _) in zip(p.split([k.shape[-2] for k, _ in parts], dim=-1), parts, strict=True):
+        out += torch.einsum("thl,ld->thd" if k.dim() == 2 else "thl,tld->thd", pk, k.to(q.dtype))
+    return out / denom[..., None]
 
 
 def sparse_decode_attention_reference(

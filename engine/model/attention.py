@@ -21,11 +21,15 @@ from engine.kernels.indexer import indexer_logits
 from engine.kernels.kv_rows import decode_row_lists, write_window_rows
 from engine.kernels.quant import index_queries, simulate_kv_row_fp8
 from engine.kernels.rope import rms_rope, rope
-from engine.kernels.sparse_attention import attend_with_sink, sparse_decode_attention
+from engine.kernels.sparse_attention import attend_parts_with_sink, sparse_decode_attention
 from engine.kernels.topk import topk_slots
 from engine.model.args import ModelArgs
 from engine.model.layers import RMSNorm, Rotary
 from engine.model.state import ForwardBatch
+
+# Elements of the largest tensor the prefill path makes per block of queries (256 MiB in fp32): a chunk's
+# attention memory is bounded by it, not by the chunk's length times the context's.
+PREFILL_BUDGET = 2**26
 
 
 class Compressor(nn.Module):
@@ -75,11 +79,17 @@ class Indexer(nn.Module):
                              self.head_dim**-0.5 * self.n_heads**-0.5, self.quant_sim)  # fmt: skip
 
     def select(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Top-k row ids per query [T, k] with -1 where fewer rows are visible; ties keep the lower row first."""
-        n = keys.shape[0]
-        scores = (F.relu(torch.einsum("thd,nd->thn", q.float(), keys.float())) * w[..., None]).sum(dim=1)
+        """Top-k row ids per query [T, k] with -1 where fewer rows are visible; ties keep the lower row first. Scores
+        cover the rows the latest query sees, made a block of rows at a time: each block's [T, heads, rows]
+        products hold at most PREFILL_BUDGET elements (the caller keeps [T, rows] within it too)."""
         visible = (positions + 1) // 4
-        scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] >= visible[:, None], float("-inf"))
+        n = int(visible.max())
+        scores = torch.empty(len(q), n, dtype=torch.promote_types(torch.float32, w.dtype), device=q.device)
+        block = max(1, PREFILL_BUDGET // (len(q) * self.n_heads))
+        for a in range(0, n, block):
+            products = torch.einsum("thd,nd->thn", q.to(scores.dtype), keys[a : min(a + block, n)].to(scores.dtype))
+            scores[:, a : a + block] = products.relu_().mul_(w[..., None]).sum(dim=1)
+        scores = scores.masked_fill_(torch.arange(n, device=q.device)[None, :] >= visible[:, None], float("-inf"))
         picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, n)]
         return torch.where(picked >= visible[:, None], -1, picked)
 
@@ -149,7 +159,8 @@ class Attention(nn.Module):
         q = rms_rope(q_b.view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
         proj = {}
         if self.compressor is not None:  # fp32 projections, as the reference runs them: (kv, gate score) pairs
-            comp = fused["x_fp32"](x.float())
+            # (a float64 model's product is exact before the fp32 rounding, so it does not depend on chunking)
+            comp = [c.float() for c in fused["x_fp32"](x if x.dtype == torch.float64 else x.float())]
             proj["comp"] = (comp[0], comp[1])
             if self.indexer is not None:
                 proj["index"] = (comp[2], comp[3])
@@ -172,34 +183,57 @@ class Attention(nn.Module):
         return self.wo_b(torch.einsum("ngd,grd->ngr", o, wo_a).flatten(1))
 
     def _prefill(self, q, kv, proj, positions, seq) -> torch.Tensor:
-        """Any number of one request's tokens, on dense copies of what the cache holds for it (the reference path)."""
+        """Any number of one request's tokens, on copies of what the cache holds for it. Each query attends to its
+        own keys only: its window rows, then its top-k compressed rows (c4) or the compressed rows it sees (c128).
+        Queries go in blocks sized so that no tensor of a block exceeds PREFILL_BUDGET elements (index scores over
+        the visible rows, gathered keys, attention scores); what is made once per chunk is the size of the chunk's
+        own kv or of the request's index keys / c128 rows, like what the cache holds."""
         cache, table, slot, p0 = self.kv, seq.table, seq.slot, int(positions[0])
-        rows_per_ring = self.window
-        # The window keys before this chunk, read before the chunk overwrites their ring slots.
-        prev = torch.arange(max(0, p0 - self.window + 1), p0, device=q.device)
-        keys = torch.cat([cache.ring.read(slot * rows_per_ring + prev % rows_per_ring).to(kv.dtype), kv])
-        key_pos = torch.cat([prev, positions])
-        delta = positions[:, None] - key_pos[None, :]
-        allowed = (delta >= 0) & (delta < self.window)
-        tail = positions[-min(len(positions), self.window) :]
-        cache.ring.write(slot * rows_per_ring + tail % rows_per_ring, kv[-len(tail) :])
+        window, dim = self.window, kv.shape[-1]
+        # The window keys before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
+        # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 (a view, no copy).
+        prev = torch.arange(max(0, p0 - window + 1), p0, device=q.device)
+        ring = cache.ring.read(slot * window + prev % window).to(kv.dtype)
+        span = torch.cat([kv.new_zeros(window - 1 - len(prev), dim), ring, kv])
+        windows = span.unfold(0, window, 1).transpose(1, 2)
+        in_window = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :] >= 0
+        tail = positions[-min(len(positions), window) :]
+        cache.ring.write(slot * window + tail % window, kv[-len(tail) :])
+        seen = gathered = window  # per query: keys scored, keys copied for it
+        index_rows = 0  # per query: index scores
         if self.compressor is not None:
             n_old = p0 // self.ratio
             new_rows = self.compressor.compress(*proj["comp"], positions, cache.comp_state_of(slot), n_old, kv.dtype)
             n = n_old + len(new_rows)
-            cache.comp.write(table.slots(n_old, n, cache.comp.rows_per_page, q.device), new_rows)
-            compressed = cache.comp.read(table.slots(0, n, cache.comp.rows_per_page, q.device)).to(kv.dtype)
+            comp_slots = table.slots(0, n, cache.comp.rows_per_page, q.device)
+            cache.comp.write(comp_slots[n_old:], new_rows)
             if self.indexer is not None:
                 new_keys = self.indexer.compressor.compress(*proj["index"], positions, cache.index_state_of(slot),
                                                             n_old, kv.dtype)  # fmt: skip
-                cache.index.write(table.slots(n_old, n, 64, q.device), new_keys)
-                index_keys = cache.index.read(table.slots(0, n, 64, q.device)).to(kv.dtype)
-                chosen = _rows_mask(self.indexer.select(*proj["query"], positions, index_keys), n)
-            else:  # c128: every row whose window has closed
-                chosen = torch.arange(n, device=q.device)[None, :] < ((positions + 1) // self.ratio)[:, None]
-            keys = torch.cat([keys, compressed])
-            allowed = torch.cat([allowed, chosen], dim=1)
-        return attend_with_sink(q, keys, allowed, self.attn_sink, self.scale)
+                index_slots = table.slots(0, n, 64, q.device)
+                cache.index.write(index_slots[n_old:], new_keys)
+                index_keys = cache.index.read(index_slots).to(kv.dtype)
+                seen = gathered = window + self.indexer.topk
+                index_rows = n
+            else:  # c128: every row whose window has closed, the same rows for all queries
+                compressed = cache.comp.read(comp_slots).to(kv.dtype)
+                visible = (positions + 1) // self.ratio
+                seen = window + n
+        per_query = max(self.n_heads * seen, dim * gathered, self.n_heads * dim, index_rows)
+        step = max(1, PREFILL_BUDGET // per_query)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for a in range(0, len(q), step):
+            b = slice(a, a + step)
+            parts = [(windows[b], in_window[b])]
+            if self.indexer is not None:
+                picked = self.indexer.select(proj["query"][0][b], proj["query"][1][b], positions[b], index_keys)
+                chosen = cache.comp.read(comp_slots[picked.clamp(min=0)].flatten()).to(kv.dtype)
+                parts.append((chosen.unflatten(0, picked.shape), picked >= 0))
+            elif self.compressor is not None:
+                rows = int(visible[b].max())
+                parts.append((compressed[:rows], torch.arange(rows, device=q.device)[None, :] < visible[b, None]))
+            out[b] = attend_parts_with_sink(q[b], parts, self.attn_sink, self.scale)
+        return out
 
     def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:
         """One token per request, batched, through the kernels (Triton on CUDA, the references elsewhere)."""
@@ -262,11 +296,5 @@ class _FusedLinear:
         return True
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
-
-
-def _rows_mask(picked: torch.Tensor, n: int) -> torch.Tensor:
-    """[T, k] row ids (-1 = none) -> [T, n] bool."""
-    mask = torch.zeros(picked.shape[0], n + 1, dtype=torch.bool, device=picked.device)
-    mask.scatter_(1, torch.where(picked < 0, n, picked), True)
-    return mask[:, :n]
+        # A float64 model (tests) runs its fp32 groups in float64 too, so its results do not depend on chunking.
+        return list(F.linear(x, self.weight.to(x.dtype)).split(self.sizes, dim=-1))
