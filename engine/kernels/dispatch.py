@@ -26,6 +26,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """The precision a plain-torch reference computes in: fp32, or the tensor's own when wider (a float64 model then
+    rounds nowhere to fp32, so its results do not depend on how its tokens were chunked)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def splits_for(batch: int, device: torch.device, waves: int = 4, cap: int = 1024) -> int:
     """Programs per request so that a grid of (batch, splits) fills the GPU `waves` times over. It depends only on
     the batch size, so a CUDA graph captured for a batch size keeps its grid."""

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import splits_for, use_triton
+from engine.kernels.dispatch import splits_for, use_triton, wide
 from engine.kernels.norm import rms_normalize, tile_elements
 
 
@@ -39,13 +39,8 @@ class HcMix(NamedTuple):
     sq: torch.Tensor
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """fp32, or the tensor's own precision when wider (a float64 model then rounds nowhere to fp32)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def hc_mix_reference(streams: torch.Tensor, fn: torch.Tensor) -> HcMix:
-    flat = _wide(streams.flatten(1))
+    flat = wide(streams.flatten(1))
     return HcMix((flat @ fn.to(flat.dtype).T)[:, :, None], flat.square().sum(-1)[:, None])
 
 
@@ -53,7 +48,7 @@ def _normalized_mixes(streams, fn, norm_eps, mix: HcMix | None) -> torch.Tensor:
     """rms_normalize(flattened streams) @ fn^T [N, M] fp32, or the same from its split sums (`mix`), summed in their
     own precision: a float64 model's mixes stay float64, so they do not depend on how its tokens were chunked."""
     if mix is None:
-        flat = _wide(streams.flatten(1))
+        flat = wide(streams.flatten(1))
         return rms_normalize(flat, norm_eps) @ fn.to(flat.dtype).T
     inv_rms = torch.rsqrt(mix.sq.sum(-1) / fn.shape[1] + norm_eps)
     return mix.dots.sum(-1) * inv_rms[:, None]
@@ -81,13 +76,13 @@ def hc_pre_reference(
     for _ in range(sinkhorn_iters - 1):  # alternate row and column normalisation
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    x = (pre.unsqueeze(-1) * _wide(streams)).sum(dim=1)
+    x = (pre.unsqueeze(-1) * wide(streams)).sum(dim=1)
     return x.to(streams.dtype), post, comb
 
 
 def hc_post_reference(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """H'_j = post_j * F + sum_i comb[i, j] * H_i: out (F) [N, D], streams [N, hc, D] -> new streams."""
-    mixed = post.unsqueeze(-1) * _wide(out).unsqueeze(1) + torch.einsum("nij,nid->njd", comb, _wide(streams))
+    mixed = post.unsqueeze(-1) * wide(out).unsqueeze(1) + torch.einsum("nij,nid->njd", comb, wide(streams))
     return mixed.to(streams.dtype)
 
 
@@ -110,7 +105,7 @@ def hc_head_reference(
 ) -> torch.Tensor:
     """streams [N, hc, D]; fn [hc, hc*D], base [hc], scale [1] -> sum_i (sigmoid(...) + hc_eps) H_i [N, D]."""
     pre = torch.sigmoid(_normalized_mixes(streams, fn, norm_eps, mix) * scale + base) + hc_eps
-    return (pre.unsqueeze(-1) * _wide(streams)).sum(dim=1).to(streams.dtype)
+    return (pre.unsqueeze(-1) * wide(streams)).sum(dim=1).to(streams.dtype)
 
 
 @triton.jit

@@ -40,12 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, use_triton
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """fp32, or the tensor's own precision when wider (a float64 model then rounds nowhere to fp32)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from engine.kernels.dispatch import interpreting, use_triton, wide
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -104,8 +99,8 @@ def gate_route_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate from x [N, D] and the router weight [E, D]: logits as an fp32 matmul of the upcast tensors, then
     route_reference. logits_out [N, E] fp32, when given, receives the logits (score routing; for checks)."""
-    wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or float64 for a float64 model (tests)
-    logits = x.to(wide) @ weight.to(wide).T
+    x = wide(x)
+    logits = x @ weight.to(x.dtype).T
     if logits_out is not None:
         logits_out.copy_(logits)
     return route_reference(logits, bias, tid2eid, input_ids, top_k, route_scale)
@@ -422,7 +417,7 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit):
     for e in torch.unique(flat).tolist():
         pair = torch.where(flat == e)[0]
         xe = x[pair // top_k]
-        h = swiglu(_wide(xe @ w1[e].T), _wide(xe @ w3[e].T), limit) * flat_weights[pair, None]
+        h = swiglu(wide(xe @ w1[e].T), wide(xe @ w3[e].T), limit) * flat_weights[pair, None]
         out[pair] = h.to(x.dtype) @ w2[e].T
     return out
 
@@ -483,7 +478,7 @@ def moe_experts_triton(x, weights, ids, w1, w3, w2, limit, **launch):
 
 def shared_swiglu_reference(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """gate, up [N, I] (the shared expert's w1 and w3 projections, x's dtype) -> swiglu in fp32, in their dtype."""
-    return swiglu(_wide(gate), _wide(up), limit).to(gate.dtype)
+    return swiglu(wide(gate), wide(up), limit).to(gate.dtype)
 
 
 @triton.jit
@@ -527,8 +522,8 @@ def moe_combine_reference(pairs: torch.Tensor, shared: torch.Tensor, top_k: int)
     """pairs [N * k, D] (moe_expert_pairs), shared [N, D] -> [N, D] in shared's dtype (x's): each token's k pick
     rows summed in fp32, plus the shared expert, rounded once."""
     n, dim = shared.shape
-    routed = pairs.view(n, top_k, dim).sum(1, dtype=torch.promote_types(pairs.dtype, torch.float32))
-    return (routed + _wide(shared)).to(shared.dtype)
+    routed = wide(pairs.view(n, top_k, dim)).sum(1)
+    return (routed + wide(shared)).to(shared.dtype)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
-from engine.kernels.dispatch import interpreting, splits_for, use_triton
+from engine.kernels.dispatch import interpreting, splits_for, use_triton, wide
 
 BLOCK_N = 64  # launch defaults from `bench/kernels.py --sweep` on an H200 (bench/results/kernels.md)
 
@@ -34,7 +34,7 @@ def attend_parts_with_sink(
     """The formula over keys given in parts, one softmax across them all: q [T, H, D]; each part (keys, allowed),
     keys [L, D] shared by every query or [T, L, D] a set per query, allowed [T, L] bool; sink [H] -> [T, H, D] fp32.
     Per-query parts let each query bring only its own rows (window, top-k) instead of masking their union."""
-    q = q.to(torch.promote_types(q.dtype, torch.float32))  # fp32, or float64 for a float64 model (tests)
+    q = wide(q)
     s = torch.cat([torch.einsum("thd,ld->thl" if k.dim() == 2 else "thd,tld->thl", q, k.to(q.dtype)) for k, _ in parts],
                   -1)  # fmt: skip
     s = (s * scale).masked_fill_(~torch.cat([a for _, a in parts], dim=-1)[:, None, :], float("-inf"))
