@@ -1,6 +1,7 @@
 """Serving benchmark: start `python -m engine serve` (or use a running one with --url), drive it with streamed
 /v1/completions requests of fixed input and output lengths at a fixed concurrency, and report TTFT, TPOT and
-throughput, with the engine's /server_info and /metrics around it.
+throughput, with the engine's /server_info and /metrics around it (the steps run and, per MoE layer, the mean distinct
+routed experts a decode step read, from the engine's counters).
 
     python bench/serve.py --model /models/DeepSeek-V4-Flash --engine-args "--context-length 131072" \\
         --num-prompts 256 --concurrency 32 --input-len 4096 --output-len 512 --out bench/results/h200.json
@@ -39,6 +40,7 @@ SMOKE_ENGINE_ARGS = "--dtype float32 --context-length 512 --max-num-seqs 4 --max
 @dataclass
 class RequestResult:
     input_len: int
+    started_s: float = 0.0  # since the load's start: with ttft_s and chunk_gaps_s, when each token arrived
     output_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
@@ -135,14 +137,15 @@ async def run(url: str, args: argparse.Namespace) -> dict:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         vocab = vocab_size(info)
         rng = random.Random(args.seed)
-        prompts = [[rng.randrange(2, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+        ids = range(2, vocab)
+        prompts = [rng.choices(ids, k=args.input_len) for _ in range(args.num_prompts)]  # 128K-token ones too, fast
         await one_request(client, model, prompts[0][:16], 2)  # warm-up
         metrics_before = parse_metrics((await client.get("/metrics")).text)
         gate = asyncio.Semaphore(args.concurrency)
 
         async def limited(prompt: list[int]) -> RequestResult:
             async with gate:
-                return await one_request(client, model, prompt, args.output_len)
+                return await one_request(client, model, prompt, args.output_len, started)
 
         started = time.perf_counter()
         results = await asyncio.gather(*(limited(p) for p in prompts))
@@ -171,7 +174,9 @@ def vocab_size(info: dict) -> int:
         return 1000
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, load_started: float | None = None
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": prompt,
@@ -181,8 +186,8 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result = RequestResult(input_len=len(prompt))
     started = last = time.perf_counter()
+    result = RequestResult(input_len=len(prompt), started_s=0.0 if load_started is None else started - load_started)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -216,10 +221,23 @@ def parse_metrics(text: str) -> dict[str, float]:
     }
 
 
+def experts_touched_per_step(before: dict, after: dict, kind: str = "decode") -> tuple[int, list[float] | None]:
+    """Steps of `kind` between two scrapes, and per MoE layer the mean distinct routed experts such a step read
+    (None without such steps, or from an engine that does not count them)."""
+    name = f'flashgate_steps_total{{kind="{kind}"}}'
+    steps = int(after.get(name, 0) - before.get(name, 0))
+    per_layer, layer = [], 0
+    while steps and (name := f'flashgate_moe_experts_touched_total{{kind="{kind}",layer="{layer}"}}') in after:
+        per_layer.append((after[name] - before.get(name, 0)) / steps)
+        layer += 1
+    return steps, per_layer or None
+
+
 def summarize(results: list[RequestResult], duration: float, before: dict, after: dict) -> dict:
     ok = [r for r in results if r.error is None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    decode_steps, decode_experts_touched = experts_touched_per_step(before, after)
     output = sum(r.output_tokens for r in ok)
     prompt = sum(r.input_len for r in ok)
 
@@ -246,6 +264,8 @@ def summarize(results: list[RequestResult], duration: float, before: dict, after
         "tpot_s": stats(tpot),
         "itl_s": stats([gap for r in ok for gap in r.chunk_gaps_s]),  # between streamed chunks
         "preemptions": after.get("flashgate_preemptions_total", 0) - before.get("flashgate_preemptions_total", 0),
+        "decode_steps": decode_steps,
+        "decode_experts_touched": decode_experts_touched,  # per MoE layer, the mean of a decode step
     }
 
 

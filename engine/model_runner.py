@@ -13,6 +13,16 @@ Decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs (engine/cu
 pool is allocated; their memory is reserved before sizing it (one eager decode step of the largest captured size at
 the widest page table, measured, plus the fp32 logits each graph keeps) and reported as `graph_bytes` once
 captured (what their memory pool holds).
+
+No request waits for a Triton compile. Capturing the graphs compiles the decode kernels; the `graph_capture` stage
+then also runs the eager steps' shapes (`_warm_up`): Triton compiles a kernel variant per distinct constexpr and per
+integer argument that is 1, a multiple of 16 or neither, and a prefill or mixed step's token count is anything up to
+`max_num_batched_tokens`. The kernels take token counts unspecialised and pick tiles from the power of two above
+them, so a prompt prefilled in chunks of every size up to 64 tokens and of 2^j - 1 and 2^j tokens beyond meets every
+variant. A kernel variant made after boot anyway (compiled, or loaded from Triton's on-disk cache) is logged as
+`kernel_compiled_after_boot`.
+
+The MoE layers count the routed experts they read, per step kind (`ExpertCounts`, for /metrics).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from pathlib import Path
 
 import structlog
 import torch
+import triton
 
 from engine.cache.layout import KVLayout
 from engine.cache.pool import PagePool
@@ -36,6 +47,8 @@ from engine.sequence import Sequence, TokenLogprob
 
 log = structlog.get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Every prefill chunk size up to this many tokens is warmed at boot, powers of two (and one less) beyond.
+WARM_EVERY_SIZE_UP_TO = 64
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -67,6 +80,48 @@ def under_wsl() -> bool:
         return False
 
 
+class ExpertCounts:
+    """Per step kind (decode: one token per request; prefill: any step with prompt tokens) and MoE layer: the steps
+    run, and the distinct routed experts the layer's tokens picked, summed over those steps (the expert weights a
+    step reads). The MoE's counting sort adds them on the device, inside the decode graphs too (whose padding rows
+    count as well: their experts are read); they are copied to the host only by `read`, so steps never wait."""
+
+    KINDS = ("decode", "prefill")
+
+    def __init__(self, moes: list, device: torch.device):
+        self.moes = moes
+        self.touched = torch.zeros(len(self.KINDS), len(moes), dtype=torch.int64, device=device)
+        self.steps = [0] * len(self.KINDS)
+        self._reader = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._kind: int | None = None
+        self._point(0)  # the decode graphs keep the counters they are captured with
+
+    def _point(self, kind: int) -> None:
+        if kind != self._kind:
+            for layer, moe in enumerate(self.moes):
+                moe.touched = self.touched[kind, layer]
+            self._kind = kind
+
+    def count(self, decoding: bool) -> None:
+        """A step of this kind is about to run (eagerly, or as a decode graph's replay)."""
+        kind = 0 if decoding else 1
+        self.steps[kind] += 1
+        self._point(kind)
+
+    def reset(self) -> None:
+        self.touched.zero_()
+        self.steps = [0] * len(self.KINDS)
+
+    def read(self) -> dict[str, tuple[int, list[int]]]:
+        """Per kind: (steps, experts touched per MoE layer). The device's counters are copied on a stream of their
+        own, without waiting for the steps queued (the caller may be the server's event loop): exact when the engine
+        is idle, and while it runs the steps counted may lead the experts counted by the steps in flight."""
+        steps = list(self.steps)
+        with torch.cuda.stream(self._reader):  # a no-op without one (CPU)
+            touched = self.touched.cpu().tolist()
+        return {kind: (steps[k], touched[k]) for k, kind in enumerate(self.KINDS)}
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """GPU memory as /server_info reports it, measured at boot; None where there is no GPU to measure."""
@@ -94,6 +149,7 @@ class ModelRunner:
         else:
             weights_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         log.info("boot_stage", stage="weights", seconds=_since(started), bytes=weights_bytes, device=str(self.device))
+        self.expert_counts = ExpertCounts([layer.ffn for layer in self.model.layers], self.device)
 
         started = time.monotonic()
         self.layout = KVLayout.for_model(self.model.args, config.page_size, layout_kv_dtype(config, self.device))
@@ -138,10 +194,18 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, config.cuda_graph_max_bs, self.layout.pages_for(context_length),
                                            pad_slot=cache.take_slot())  # fmt: skip
             graph_bytes = self.graphs.memory_bytes
-            log.info("boot_stage", stage="graph_capture", seconds=_since(started), batch_sizes=self.graphs.sizes,
-                     bytes=graph_bytes)  # fmt: skip
-        else:
-            log.info("boot_stage", stage="graph_capture", seconds=0.0, skipped="enforce_eager" if cuda else "cpu")
+        if cuda:
+            warm_started = time.monotonic()
+            chunks = self._warm_up()
+            torch.cuda.empty_cache()
+            _log_compiles_from_now()
+            graph = {"batch_sizes": self.graphs.sizes, "bytes": graph_bytes} if graphs else {"skipped": "enforce_eager"}
+            warm_up = {"warmup_seconds": _since(warm_started), "warmup_chunks": len(chunks),
+                       "warmup_largest_chunk": chunks[-1]}  # fmt: skip
+            log.info("boot_stage", stage="graph_capture", seconds=_since(started), **graph, **warm_up)
+        else:  # nothing is compiled on the CPU
+            log.info("boot_stage", stage="graph_capture", seconds=0.0, skipped="cpu")
+        self.expert_counts.reset()  # boot's own steps are not served steps
         free, total = torch.cuda.mem_get_info(self.device) if cuda else (None, None)
         self.memory = MemoryReport(total, free, weights_bytes, cache.bytes, graph_bytes)
 
@@ -206,6 +270,34 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return workspace, graph_bytes
 
+    @torch.inference_mode()
+    def _warm_up(self) -> list[int]:
+        """Run the kernels of every eager step shape once (see the module's docstring): one prompt in chunks of 1,
+        2, ..., WARM_EVERY_SIZE_UP_TO tokens, then of 2^j - 1 and 2^j tokens, and of max_num_batched_tokens - 1 and
+        max_num_batched_tokens; each chunk's last rows, up to max_num_seqs of them, go through the head as the rows
+        a step samples. A chunk that would pass the context length or the pool starts the prompt over (one that
+        alone would is no step's). Returns the chunk sizes run."""
+        config = self.config
+        top = config.max_num_batched_tokens
+        sizes = list(range(1, min(top, WARM_EVERY_SIZE_UP_TO) + 1))
+        for n in (*(1 << j for j in range(WARM_EVERY_SIZE_UP_TO.bit_length(), top.bit_length())), top):
+            sizes += [m for m in (n - 1, n) if m > sizes[-1]]
+        room = min(self.context_length, self.pool.capacity_tokens)
+        sizes = [n for n in sizes if n <= room]
+        state, position = self.model.new_state(), 0
+        for n in sizes:
+            if position + n > room:
+                self.model.release_state(state)
+                state, position = self.model.new_state(), 0
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            positions = torch.arange(position, position + n, device=self.device)
+            streams = self.model(ForwardBatch(ids, positions, [state], [n]))
+            self.model.logits(streams[-config.max_num_seqs :])
+            position += n
+        self.model.release_state(state)
+        torch.cuda.synchronize(self.device)
+        return sizes
+
     def release(self, state: SequenceState) -> None:
         """A finished or preempted request gives its cache slot (and pages) back; its page table row goes back to
         zeros (after the steps already queued have read it)."""
@@ -268,6 +360,7 @@ class ModelRunner:
         batch = ForwardBatch(input_ids, positions_d, states, lens)
         used = max(len(state.table.pages) for state in states)
         batch.set_tables(self.page_tables[:, :used].index_select(0, slots_d), slots_d.int())
+        self.expert_counts.count(batch.decoding)
         if self.graphs is not None and self.graphs.fits(batch):
             # A one-token chunk of a longer prompt also runs as a decode row; it does not sample.
             logits = self.graphs.replay(batch)
@@ -327,6 +420,16 @@ class LaunchedStep:
                 self._done.synchronize()
             self._results = [(token, None) for token in self._host.tolist()]
         return self._results
+
+
+def _log_compiles_from_now() -> None:
+    """Boot has made the kernel variants steps need; from now on each one made (compiled, or loaded from Triton's
+    on-disk cache), which delays the step that needs it, is logged with its specialisation."""
+
+    def made(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
+        log.warning("kernel_compiled_after_boot", kernel=repr)
+
+    triton.knobs.runtime.jit_post_compile_hook = made
 
 
 def _since(started: float) -> float:

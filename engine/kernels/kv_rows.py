@@ -46,7 +46,8 @@ def write_main_rows_reference(
     storage[page[:, None], scales_at + torch.arange(exponents.shape[1], device=rows.device)] = exponents
 
 
-@triton.jit
+# Slots may be a slice of a request's slot list at any offset: a program loads its one slot, alignment buys nothing.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _write_main_rows_kernel(
     storage_ptr, slot_ptr, rows_ptr, stride_row, stride_col,
     NOPE: tl.constexpr, ROPE: tl.constexpr, ROWS_PER_PAGE: tl.constexpr, ROW_BYTES: tl.constexpr,

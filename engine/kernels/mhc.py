@@ -108,7 +108,7 @@ def hc_head_reference(
     return (pre.unsqueeze(-1) * wide(streams)).sum(dim=1).to(streams.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])  # one variant for any token count (see engine/kernels/moe.py)
 def _hc_streams_kernel(
     f_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, mix_ptr, sq_ptr, n_tokens,
     HC: tl.constexpr, D: tl.constexpr, MIX: tl.constexpr, CHUNK: tl.constexpr, WITH_POST: tl.constexpr,
@@ -153,7 +153,7 @@ def _hc_streams_kernel(
         tl.store(sq_ptr + n * splits + split, tl.sum(tl.sum(sq, axis=2), axis=1), mask=n < n_tokens)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _hc_mix_kernel(
     h_ptr, fn_ptr, mix_ptr, sq_ptr, n_tokens,
     K: tl.constexpr, MIX: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
@@ -190,7 +190,8 @@ def _hc_mix_prefill(streams: torch.Tensor, fn: torch.Tensor) -> HcMix:
     k, mix, tile = hc * dim, fn.shape[0], tile_elements()
     block_n = max(16, min(triton.next_power_of_2(n_tokens), tile // 64))  # tl.dot takes at least 16 rows
     n_blocks = triton.cdiv(n_tokens, block_n)
-    splits = min(splits_for(n_blocks, streams.device, waves=1, cap=64), max(1, k // 64))
+    # Splits for the power of two above the blocks: the tiling (the compiled variant) follows that of N alone.
+    splits = min(splits_for(triton.next_power_of_2(n_blocks), streams.device, waves=1, cap=64), max(1, k // 64))
     chunk = triton.cdiv(k, splits)
     block_k = min(triton.next_power_of_2(chunk), max(16, tile // block_n))
     chunk = triton.cdiv(chunk, block_k) * block_k
@@ -313,7 +314,7 @@ def _comb_logit(part_mix, live_part, base_ptr, scale, SPLITS: tl.constexpr, k: t
     return logit * scale + tl.load(base_ptr + 8 + k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _hc_weights_kernel(
     h_ptr, mix_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, n_tokens, hc_eps, norm_eps,
     HC: tl.constexpr, D: tl.constexpr, MIX: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,

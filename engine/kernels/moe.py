@@ -22,7 +22,13 @@ Triton path reads each touched expert's w1, w3 and w2 once per call and spreads 
 Around them, the MoE block's small launches are single kernels too: gate_route computes the router logits from x
 and the weight as stored (programs over expert blocks x splits of D, the splits added in a fixed order by the
 selection kernel: two launches; hash layers one, with only the picked experts' logits), group_pairs_by_expert is one
-launch, and shared_swiglu reads the shared expert's two projections and writes h in x's dtype.
+launch, and shared_swiglu reads the shared expert's two projections and writes h in x's dtype. The counting sort also
+adds the number of experts that got pairs (the experts the call reads) to a counter on the device when given one, for
+the serving metrics: no launch and no host sync of its own.
+
+Token and pair counts are runtime arguments Triton does not specialise on (it would compile a variant for 1, for
+multiples of 16 and for the rest), and tiles follow the power of two above the token (or pair) count, so the compiled
+variants are few and the serving runner makes them all at boot (engine/model_runner.py).
 
 Every shape depends on N, k and E only and nothing goes to the host, so a CUDA graph captured for a batch size replays
 with any routing; programs whose slot holds no expert exit at once. A program streams its expert's weight tile once
@@ -106,7 +112,7 @@ def gate_route_reference(
     return route_reference(logits, bias, tid2eid, input_ids, top_k, route_scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _router_logits_kernel(
     x_ptr, w_ptr, partial_ptr, n, stride_xn, stride_we,
     E: tl.constexpr, D: tl.constexpr, K_SPLIT: tl.constexpr,
@@ -130,7 +136,7 @@ def _router_logits_kernel(
     tl.store(partial_ptr + out, acc, mask=(e < E)[:, None] & (t < n)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _score_route_kernel(
     partial_ptr, bias_ptr, weights_ptr, ids_ptr, logits_ptr, n, route_scale,
     E: tl.constexpr, TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr, STORE_LOGITS: tl.constexpr,
@@ -221,9 +227,11 @@ def gate_route_triton(
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(block_k, max(16, triton.next_power_of_2(dim)))
     e_blocks, n_blocks, k_blocks = triton.cdiv(n_experts, block_e), triton.cdiv(n, block_n), triton.cdiv(dim, block_k)
-    # Splits of D (a power of two, at most 32) until about two programs an SM: they depend on N only.
+    # Splits of D (a power of two, at most 32) until about two programs an SM, counting the token blocks up to a power
+    # of two: the splits depend on the power of two above N only, as the tiles do (few compiled variants).
+    programs = e_blocks * triton.next_power_of_2(n_blocks)
     splits = 1
-    while splits < 32 and 2 * splits <= k_blocks and e_blocks * n_blocks * splits * 2 <= 2 * _multiprocessors(x.device):
+    while splits < 32 and 2 * splits <= k_blocks and programs * splits * 2 <= 2 * _multiprocessors(x.device):
         splits *= 2
     k_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(dim, k_split)
@@ -329,11 +337,12 @@ def _down_kernel(
 
 
 def group_pairs_by_expert_reference(
-    flat_ids: torch.Tensor, n_experts: int
+    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A stable counting sort of the (token, pick) pairs by expert, in plain torch: order [P] (pair ids grouped by
     expert), offsets [E + 1] (expert e's pairs are order[offsets[e]:offsets[e + 1]]), active [E] (the experts that
-    have pairs in ascending order, then E)."""
+    have pairs in ascending order, then E). touched, a one-element int64 counter, gets the number of experts that
+    have pairs added."""
     experts = torch.arange(n_experts, device=flat_ids.device)
     one_hot = (flat_ids[:, None] == experts).int()  # [P, E]; F.one_hot would check the ids' range on the host
     counts = one_hot.sum(0)
@@ -344,6 +353,8 @@ def group_pairs_by_expert_reference(
     order = torch.empty_like(flat_ids)
     order.scatter_(0, offsets[flat_ids] + within, torch.arange(len(flat_ids), device=flat_ids.device))
     has_pairs = counts > 0
+    if touched is not None:
+        touched += has_pairs.sum()
     # Experts without pairs all land on the spare slot E, which is cut off.
     active = torch.full((n_experts + 1,), n_experts, dtype=torch.long, device=flat_ids.device)
     rank = torch.where(has_pairs, has_pairs.cumsum(0) - 1, n_experts)
@@ -351,15 +362,17 @@ def group_pairs_by_expert_reference(
     return order, offsets, active[:n_experts]
 
 
-@triton.jit
+# The counter's address is an element of a table (any 8-byte alignment): one compiled variant for all of them.
+@triton.jit(do_not_specialize=["P"], do_not_specialize_on_alignment=["touched_ptr"])
 def _group_pairs_kernel(
-    ids_ptr, order_ptr, offsets_ptr, active_ptr, P,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_MINE: tl.constexpr, BLOCK_P: tl.constexpr,
+    ids_ptr, order_ptr, offsets_ptr, active_ptr, touched_ptr, P,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_MINE: tl.constexpr, BLOCK_P: tl.constexpr, COUNT: tl.constexpr,
 ):  # fmt: skip
     """One program: the experts [pid * BLOCK_MINE, +BLOCK_MINE). Every program counts all pairs by expert (a
     histogram), which gives its experts' offsets and active slots; then it places its experts' pairs, each at its
     expert's offset plus the number of earlier pairs of that expert (a running count and a prefix sum along the
-    pairs), so the order within an expert is the pairs' order. Programs write disjoint entries."""
+    pairs), so the order within an expert is the pairs' order. Programs write disjoint entries. With COUNT, the
+    first program adds the number of experts with pairs to *touched_ptr."""
     e = tl.arange(0, BLOCK_E)
     mine = tl.program_id(0) * BLOCK_MINE + tl.arange(0, BLOCK_MINE)
     q = tl.arange(0, BLOCK_P)
@@ -373,6 +386,8 @@ def _group_pairs_kernel(
     has = counts > 0
     slot = tl.sum((before & has[:, None]).to(tl.int32), axis=0)
     n_active = tl.sum(has.to(tl.int32), axis=0)
+    if COUNT:
+        tl.atomic_add(touched_ptr, n_active.to(tl.int64), mask=tl.program_id(0) == 0)
     own = tl.sum(tl.where(e[:, None] == mine[None, :], counts[:, None], 0), axis=0)
     in_range = mine < E
     tl.store(offsets_ptr + mine + 1, start + own, mask=in_range)
@@ -389,7 +404,10 @@ def _group_pairs_kernel(
         running += tl.sum(hit, axis=1)
 
 
-def group_pairs_by_expert_triton(flat_ids: torch.Tensor, n_experts: int, block_mine: int = 4, num_warps: int = 4):
+def group_pairs_by_expert_triton(
+    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None, block_mine: int = 4,
+    num_warps: int = 4,
+):  # fmt: skip
     """group_pairs_by_expert_reference in one launch of cdiv(E, block_mine) programs (the grid depends on E only)."""
     pairs = flat_ids.numel()
     order = torch.empty(pairs, dtype=torch.int64, device=flat_ids.device)
@@ -397,24 +415,31 @@ def group_pairs_by_expert_triton(flat_ids: torch.Tensor, n_experts: int, block_m
     active = torch.empty(n_experts, dtype=torch.int64, device=flat_ids.device)
     block_mine = min(block_mine, triton.next_power_of_2(n_experts))
     _group_pairs_kernel[(triton.cdiv(n_experts, block_mine),)](
-        flat_ids, order, offsets, active, pairs, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts),
-        BLOCK_MINE=block_mine, BLOCK_P=min(512, max(16, triton.next_power_of_2(pairs))), num_warps=num_warps,
+        flat_ids, order, offsets, active, flat_ids if touched is None else touched, pairs, E=n_experts,
+        BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_MINE=block_mine,
+        BLOCK_P=min(512, max(16, triton.next_power_of_2(pairs))), COUNT=touched is not None, num_warps=num_warps,
     )  # fmt: skip
     return order, offsets, active
 
 
-def group_pairs_by_expert(flat_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_pairs_by_expert(
+    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = group_pairs_by_expert_triton if use_triton(flat_ids.device) else group_pairs_by_expert_reference
-    return impl(flat_ids, n_experts)
+    return impl(flat_ids, n_experts, touched)
 
 
-def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit):
+def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None):
     """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D]; w2 [E, D, I] -> [N * k, D] in x's dtype: each
-    (token, pick) pair's routed output, pair t * k + j for token t's pick j (moe_combine sums them)."""
+    (token, pick) pair's routed output, pair t * k + j for token t's pick j (moe_combine sums them). touched, a
+    one-element int64 counter, gets the number of distinct experts picked added."""
     n, top_k = ids.shape
     out = torch.zeros(n * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     flat, flat_weights = ids.reshape(-1), weights.reshape(-1)
-    for e in torch.unique(flat).tolist():
+    experts = torch.unique(flat).tolist()
+    if touched is not None:
+        touched += len(experts)
+    for e in experts:
         pair = torch.where(flat == e)[0]
         xe = x[pair // top_k]
         h = swiglu(wide(xe @ w1[e].T), wide(xe @ w3[e].T), limit) * flat_weights[pair, None]
@@ -423,10 +448,11 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit):
 
 
 def moe_expert_pairs_triton(
-    x, weights, ids, w1, w3, w2, limit, block_m: int | None = None, block_i: int = 32, block_d: int = 64,
-    block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
+    x, weights, ids, w1, w3, w2, limit, touched=None, block_m: int | None = None, block_i: int = 32,
+    block_d: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
 ):  # fmt: skip
-    """Three launches: the counting sort, then gate/up and down over the active experts."""
+    """Three launches: the counting sort (which counts the experts touched), then gate/up and down over the active
+    experts."""
     n, dim = x.shape
     n_experts, inter, _ = w1.shape
     top_k = ids.shape[1]
@@ -439,7 +465,7 @@ def moe_expert_pairs_triton(
     if inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or w1.stride() != w3.stride():
         raise ValueError(f"expert shapes D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}")
     x = x.contiguous()
-    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), n_experts)
+    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), n_experts, touched)
     slots = min(n_experts, pairs)
     active = active[:slots]
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
@@ -461,9 +487,9 @@ def moe_expert_pairs_triton(
     return y
 
 
-def moe_expert_pairs(x, weights, ids, w1, w3, w2, limit):
+def moe_expert_pairs(x, weights, ids, w1, w3, w2, limit, touched=None):
     impl = moe_expert_pairs_triton if use_triton(x.device) else moe_expert_pairs_reference
-    return impl(x, weights, ids, w1, w3, w2, limit)
+    return impl(x, weights, ids, w1, w3, w2, limit, touched)
 
 
 def moe_experts_triton(x, weights, ids, w1, w3, w2, limit, **launch):

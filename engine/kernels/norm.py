@@ -33,7 +33,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (weight * rms_normalize(x.float(), eps)).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # one variant for any row count (see engine/kernels/moe.py)
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, rows, stride_x, eps, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr
 ):

@@ -184,7 +184,8 @@ def fp4_round(x):
     return tl.where(x < 0, -q, q)
 
 
-@triton.jit
+# One variant for any row count (see engine/kernels/moe.py) and positions at any offset (as in engine/kernels/rope.py).
+@triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["pos_ptr"])
 def _index_fp4_kernel(
     x_ptr, out_ptr, n_rows, norm, stride_token, heads, pos_ptr, inv_freq_ptr, w_ptr, stride_w, w_out_ptr, w_scale,
     DIM: tl.constexpr, LOG2_DIM: tl.constexpr, BLOCK: tl.constexpr, FP4_TINY: tl.constexpr, ROWS: tl.constexpr,

@@ -52,7 +52,9 @@ def rms_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch
     return rotate_interleaved(rms_normalize(x, eps), cos, sin)
 
 
-@triton.jit
+# One variant for any row count (see engine/kernels/moe.py), and for positions at any offset (a step's positions share
+# one upload with its other host data); each row loads its own position.
+@triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rope_kernel(
     x_ptr, pos_ptr, inv_freq_ptr, out_ptr, rows, rows_per_token, stride_token, eps,
     D: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,

@@ -7,6 +7,10 @@ top-k for c4 layers, every visible row for c128 layers), keys being the values:
 Rows are bf16, or the 584-byte fp8 rows of `engine/cache/kv_cache.py`. The Triton kernel splits each request's
 key list across programs (split-K) and merges the partial results by log-sum-exp, the sink joining in the merge;
 index blocks past the request's real list length are skipped, so work follows the actual length.
+
+Prefill runs the same kernel with each query token as a batch row (`window_span`): its window rows then come from a
+contiguous span of rows in the ring's format (pages of `window` rows) that holds the window - 1 rows before the chunk
+and the chunk's own, since the ring keeps only the last `window` positions.
 """
 
 from __future__ import annotations
@@ -61,15 +65,18 @@ def sparse_decode_attention_reference(
     out: torch.Tensor,
     window: int,
     rope_dim: int,
+    window_span: bool = False,
 ) -> torch.Tensor:
     """q [B, H, D]; sink [H] fp32; window_rows: `MainRows.storage` with `window` rows a page, request b's ring in
     page seq_slot[b] (row = position % window); positions [B] int32 (the query's); comp_rows: `MainRows.storage` with
     `comp_rows_per_page` rows a page; comp_slots [B, K] int32 physical slots (-1 = none), the first comp_len[b]
-    meaningful; out [B, H, D]."""
+    meaningful; out [B, H, D]. With `window_span`, window_rows is a span of rows and seq_slot[b] the row of query b's
+    own position in it: its window is the min(position + 1, window) rows up to that one."""
     head_dim = q.shape[-1]
     for b in range(q.shape[0]):
         t = int(positions[b])
-        ring = (t - torch.arange(min(t + 1, window), device=q.device)) % window + int(seq_slot[b]) * window
+        back = torch.arange(min(t + 1, window), device=q.device)
+        ring = int(seq_slot[b]) - back if window_span else (t - back) % window + int(seq_slot[b]) * window
         keys = [read_main_rows(window_rows, ring, window, head_dim, rope_dim)]
         picked = comp_slots[b, : int(comp_len[b])]
         picked = picked[picked >= 0]
@@ -125,6 +132,7 @@ def _sparse_attention_kernel(
     stride_qb, stride_qh, stride_cb, stride_ob, stride_oh, scale,
     H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr,
     R_COMP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
+    WINDOW_SPAN: tl.constexpr,
 ):  # fmt: skip
     NOPE_PAD: tl.constexpr = triton.next_power_of_2(NOPE // 64) * 64
     ROPE: tl.constexpr = D - NOPE
@@ -150,10 +158,14 @@ def _sparse_attention_kernel(
     acc_nope = tl.zeros([HB, NOPE_PAD], tl.float32)
     acc_rope = tl.zeros([HB, ROPE], tl.float32)
     for blk in range(split, n_blocks, SPLITS):
-        if blk < W // BN:  # a block of the sliding window, from the request's ring
+        if blk < W // BN:  # a block of the sliding window: from the request's ring, or the prefill's span
             idx = blk * BN + j
             valid = (idx < win_len) & (blk < win_blocks)
-            k_nope, k_rope = _load_rows(win_ptr, ring_page + 0 * j, (t - idx + W) % W, W, valid, D, NOPE, FP8)
+            if WINDOW_SPAN:  # prefill: the span rows up to the query's own, row seq_slot[b]
+                span_row = ring_page - idx
+                k_nope, k_rope = _load_rows(win_ptr, span_row // W, span_row % W, W, valid, D, NOPE, FP8)
+            else:
+                k_nope, k_rope = _load_rows(win_ptr, ring_page + 0 * j, (t - idx + W) % W, W, valid, D, NOPE, FP8)
         else:  # a block of the compressed-row list
             c = (blk - W // BN) * BN + j
             slot = tl.load(cslots_ptr + b * stride_cb + c, mask=c < clen, other=-1)
@@ -209,8 +221,8 @@ def _combine_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stri
 
 def sparse_decode_attention_triton(
     q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
-    window, rope_dim, splits: int | None = None, head_block: int | None = None, block_n: int = BLOCK_N,
-    num_warps: int = 8, num_stages: int = 2,
+    window, rope_dim, window_span: bool = False, splits: int | None = None, head_block: int | None = None,
+    block_n: int = BLOCK_N, num_warps: int = 8, num_stages: int = 2,
 ):  # fmt: skip
     batch, heads, dim = q.shape
     head_block = head_block or min(64, max(16, triton.next_power_of_2(heads)))
@@ -225,8 +237,8 @@ def sparse_decode_attention_triton(
         q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part, sink, out,
         q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale,
         H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page, BN=block_n,
-        SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), num_warps=num_warps,
-        num_stages=num_stages,
+        SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), WINDOW_SPAN=window_span,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(batch, heads)](
@@ -238,11 +250,11 @@ def sparse_decode_attention_triton(
 
 def sparse_decode_attention(
     q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
-    window, rope_dim,
+    window, rope_dim, window_span: bool = False,
 ):  # fmt: skip
     impl = sparse_decode_attention_triton if use_triton(q.device) else sparse_decode_attention_reference
     return impl(q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots,
-                comp_len, out, window, rope_dim)  # fmt: skip
+                comp_len, out, window, rope_dim, window_span)  # fmt: skip
 
 
 assert SCALE_BYTES == 8  # the kernel's fp8 page arithmetic assumes 8 scale bytes a row

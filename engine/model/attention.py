@@ -17,8 +17,9 @@ from torch import nn
 
 from engine.cache.kv_cache import LayerKV
 from engine.kernels.compressor import compressor_decode_step, finish_rows, pool_windows
+from engine.kernels.dispatch import use_triton
 from engine.kernels.indexer import indexer_logits
-from engine.kernels.kv_rows import decode_row_lists, write_window_rows
+from engine.kernels.kv_rows import decode_row_lists, write_main_rows, write_window_rows
 from engine.kernels.quant import index_queries, simulate_kv_row_fp8
 from engine.kernels.rope import rms_rope, rope
 from engine.kernels.sparse_attention import attend_parts_with_sink, sparse_decode_attention
@@ -174,7 +175,8 @@ class Attention(nn.Module):
             parts = []
             for i, seq in enumerate(batch.states):
                 r = batch.rows(i)
-                parts.append(self._prefill(q[r], kv[r], {k: (a[r], b[r]) for k, (a, b) in proj.items()}, pos[r], seq))
+                chunk = {k: (a[r], b[r]) for k, (a, b) in proj.items()}
+                parts.append(self._prefill(q[r], kv[r], chunk, pos[r], seq, batch.page_table[i]))
             out = torch.cat(parts)
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
@@ -182,25 +184,21 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         return self.wo_b(torch.einsum("ngd,grd->ngr", o, wo_a).flatten(1))
 
-    def _prefill(self, q, kv, proj, positions, seq) -> torch.Tensor:
-        """Any number of one request's tokens, on copies of what the cache holds for it. Each query attends to its
-        own keys only: its window rows, then its top-k compressed rows (c4) or the compressed rows it sees (c128).
-        Queries go in blocks sized so that no tensor of a block exceeds PREFILL_BUDGET elements (index scores over
-        the visible rows, gathered keys, attention scores); what is made once per chunk is the size of the chunk's
-        own kv or of the request's index keys / c128 rows, like what the cache holds."""
+    def _prefill(self, q, kv, proj, positions, seq, page_table) -> torch.Tensor:
+        """Any number of one request's tokens: their rows go into the cache, then each query attends to its own keys
+        only: its window rows, then its top-k compressed rows (c4) or the compressed rows it sees (c128), through the
+        decode kernels on CUDA (`_prefill_kernels`), in torch elsewhere and for float64 (`_prefill_reference`).
+        page_table [>= pages] int32: the request's row of the batch's device-side page table."""
         cache, table, slot, p0 = self.kv, seq.table, seq.slot, int(positions[0])
         window, dim = self.window, kv.shape[-1]
-        # The window keys before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
-        # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 (a view, no copy).
+        # The window rows before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
+        # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 of this span.
         prev = torch.arange(max(0, p0 - window + 1), p0, device=q.device)
         ring = cache.ring.read(slot * window + prev % window).to(kv.dtype)
         span = torch.cat([kv.new_zeros(window - 1 - len(prev), dim), ring, kv])
-        windows = span.unfold(0, window, 1).transpose(1, 2)
-        in_window = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :] >= 0
         tail = positions[-min(len(positions), window) :]
         cache.ring.write(slot * window + tail % window, kv[-len(tail) :])
-        seen = gathered = window  # per query: keys scored, keys copied for it
-        index_rows = 0  # per query: index scores
+        comp_slots = index_slots = None
         if self.compressor is not None:
             n_old = p0 // self.ratio
             new_rows = self.compressor.compress(*proj["comp"], positions, cache.comp_state_of(slot), n_old, kv.dtype)
@@ -212,13 +210,28 @@ class Attention(nn.Module):
                                                             n_old, kv.dtype)  # fmt: skip
                 index_slots = table.slots(0, n, 64, q.device)
                 cache.index.write(index_slots[n_old:], new_keys)
-                index_keys = cache.index.read(index_slots).to(kv.dtype)
-                seen = gathered = window + self.indexer.topk
-                index_rows = n
-            else:  # c128: every row whose window has closed, the same rows for all queries
-                compressed = cache.comp.read(comp_slots).to(kv.dtype)
-                visible = (positions + 1) // self.ratio
-                seen = window + n
+        if use_triton(q.device) and q.dtype != torch.float64:
+            return self._prefill_kernels(q, proj, positions, p0, span, comp_slots, page_table)
+        return self._prefill_reference(q, proj, positions, span, comp_slots, index_slots)
+
+    def _prefill_reference(self, q, proj, positions, span, comp_slots, index_slots) -> torch.Tensor:
+        """The prefill attention in torch. Queries go in blocks sized so that no tensor of a block exceeds
+        PREFILL_BUDGET elements (index scores over the visible rows, gathered keys, attention scores); what is made
+        once per chunk is the size of the chunk's own kv or of the request's index keys / c128 rows, like what the
+        cache holds."""
+        cache, window, dim = self.kv, self.window, span.shape[-1]
+        windows = span.unfold(0, window, 1).transpose(1, 2)  # query i's window rows, a view
+        in_window = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :] >= 0
+        seen = gathered = window  # per query: keys scored, keys copied for it
+        index_rows = 0  # per query: index scores
+        if self.indexer is not None:
+            index_keys = cache.index.read(index_slots).to(span.dtype)
+            seen = gathered = window + self.indexer.topk
+            index_rows = len(index_slots)
+        elif self.compressor is not None:  # c128: every row whose window has closed, the same rows for all queries
+            compressed = cache.comp.read(comp_slots).to(span.dtype)
+            visible = (positions + 1) // self.ratio
+            seen = window + len(comp_slots)
         per_query = max(self.n_heads * seen, dim * gathered, self.n_heads * dim, index_rows)
         step = max(1, PREFILL_BUDGET // per_query)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -227,12 +240,60 @@ class Attention(nn.Module):
             parts = [(windows[b], in_window[b])]
             if self.indexer is not None:
                 picked = self.indexer.select(proj["query"][0][b], proj["query"][1][b], positions[b], index_keys)
-                chosen = cache.comp.read(comp_slots[picked.clamp(min=0)].flatten()).to(kv.dtype)
+                chosen = cache.comp.read(comp_slots[picked.clamp(min=0)].flatten()).to(span.dtype)
                 parts.append((chosen.unflatten(0, picked.shape), picked >= 0))
             elif self.compressor is not None:
                 rows = int(visible[b].max())
                 parts.append((compressed[:rows], torch.arange(rows, device=q.device)[None, :] < visible[b, None]))
             out[b] = attend_parts_with_sink(q[b], parts, self.attn_sink, self.scale)
+        return out
+
+    def _prefill_kernels(self, q, proj, positions, p0, span, comp_slots, page_table) -> torch.Tensor:
+        """The prefill attention through the decode kernels, each query one batch row: its window rows from the span
+        (in the ring's row format, so FP8 rows hold what the ring holds), then the indexer's top-k of its c4 rows, or
+        the c128 rows it sees (one list, a stride-0 row per query). c4 queries go in blocks whose index logits, one
+        fp32 per c4 row of the request, hold at most PREFILL_BUDGET elements; no block waits for the device."""
+        cache, window, ring = self.kv, self.window, self.kv.ring
+        positions = positions.int()
+        if ring.fp8:  # the ring's encoder: it rounds as the ring's rows and the reference's simulation do
+            rows = ring.storage.new_empty(-(-len(span) // window), ring.storage.shape[1])
+            write_main_rows(rows, torch.arange(len(span), device=q.device), span, window, ring.rope_dim)
+            span = rows
+        own_row = positions - (p0 - window + 1)  # each query's own row of the span
+        visible = (positions + 1) // self.ratio if self.ratio else torch.zeros_like(positions)
+        # The compressed rows' list: none (window-only, and c128 before its first row), every row (c128: each query
+        # reads its visible ones), or each block's top-k (c4, below).
+        comp_rows, rows_per_page, step = span, window, len(q)
+        lists, lengths = torch.full((1, 1), -1, dtype=torch.int32, device=q.device), visible
+        if self.compressor is not None:
+            comp_rows, rows_per_page = cache.comp.storage, cache.comp.rows_per_page
+            lists = comp_slots.int()[None] if comp_slots.numel() else lists
+        if self.indexer is not None:
+            k, n = self.indexer.topk, max(len(comp_slots), 1)  # a launch needs a column even before the first c4 row
+            step = max(1, min(len(q), PREFILL_BUDGET // n))
+            logits = torch.empty(step, n, device=q.device)
+            columns, per_page = torch.arange(n, device=q.device)[None, :], cache.comp.rows_per_page
+            lengths = visible.clamp(max=k)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for a in range(0, len(q), step):
+            b = slice(a, a + step)
+            m = len(positions[b])
+            if self.indexer is not None:
+                tables = page_table[None].expand(m, -1)
+                iq, iw = proj["query"]
+                indexer_logits(iq[b], iw[b], cache.index.values, cache.index.scales, tables, visible[b], logits[:m])
+                # The top-k as the reference picks it (ties keep the lower row): on the H200 the radix-select kernel
+                # left entries unwritten for a block of 900 queries that all had > k rows, and its cause is not yet
+                # found; an eager prefill can afford a sort of its [m, n] logits.
+                scores = logits[:m].masked_fill(columns >= visible[b, None], float("-inf"))
+                rows = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+                slots = page_table[rows // per_page] * per_page + (rows % per_page).int()
+                picked = torch.where(rows < visible[b, None], slots, -1)
+            else:
+                picked = lists.expand(m, -1)
+            sparse_decode_attention(q[b], self.attn_sink, self.scale, span, own_row[b], positions[b], comp_rows,
+                                    rows_per_page, picked, lengths[b], out[b], window, self.rotary.rope_dim,
+                                    window_span=True)  # fmt: skip
         return out
 
     def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:

@@ -3,7 +3,8 @@ routing with bias-only selection after; clamped SwiGLU experts, routing weight a
 
 On CUDA a decode call is nine launches (eight in hash layers): router logits and selection (one in hash layers),
 the pairs' counting sort, the routed gate/up and down, the shared expert's gate/up GEMM, its SwiGLU and its down
-GEMM, and the sum of each token's picks with the shared expert in x's dtype."""
+GEMM, and the sum of each token's picks with the shared expert in x's dtype. The counting sort also counts the experts
+a call reads into `MoE.touched` when the serving runner points it at a counter (engine/model_runner.py)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.zeros(n_experts, inter, dim))
         self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, touched: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[N * k, D] in x's dtype, one row a (token, pick) pair: the grouped GEMM on CUDA, the reference's loop over
-        picked experts elsewhere."""
-        return moe_expert_pairs(x, weights, ids, self.w1, self.w3, self.w2, self.limit)
+        picked experts elsewhere; the number of distinct experts picked is added to `touched` when given."""
+        return moe_expert_pairs(x, weights, ids, self.w1, self.w3, self.w2, self.limit, touched)
 
 
 class SharedExpert(nn.Module):
@@ -109,9 +112,12 @@ class MoE(nn.Module):
         )
         self.experts = Experts(args.n_routed_experts, dim, inter, args.swiglu_limit)
         self.shared_experts = SharedExpert(dim, inter, args.swiglu_limit)
+        # A one-element int64 counter on the device that each call adds its distinct routed experts to (a CUDA graph
+        # keeps the address it was captured with), or None. Not a buffer: the runner owns the counters.
+        self.touched: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D] in x's dtype: each token's k routed outputs summed in fp32 in pick order, plus the
         shared expert, rounded once."""
         weights, ids = self.gate(x, input_ids)
-        return moe_combine(self.experts(x, weights, ids), self.shared_experts(x), ids.shape[1])
+        return moe_combine(self.experts(x, weights, ids, self.touched), self.shared_experts(x), ids.shape[1])

@@ -78,7 +78,9 @@ class EngineLoop:
         self.metrics = metrics
         self.on_failure = on_failure
         self.request_timeout_s = engine.config.request_timeout_s
-        self.stats = EngineStats(kv_capacity_tokens=engine.kv_capacity_tokens)  # replaced whole, never mutated
+        self.stats = EngineStats(  # replaced whole, never mutated
+            kv_capacity_tokens=engine.kv_capacity_tokens, expert_counts=engine.runner.expert_counts
+        )
         self.failure: BaseException | None = None
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
@@ -229,4 +231,5 @@ class EngineLoop:
             preemptions=scheduler.num_preemptions,
             prompt_tokens=self._counts["prompt_tokens"],
             generation_tokens=self._counts["generation_tokens"],
+            expert_counts=self.engine.runner.expert_counts,
         )

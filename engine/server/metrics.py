@@ -1,13 +1,22 @@
 """GET /metrics: the contract's `flashgate_*` Prometheus names. Gauges and counters are read from the engine loop's
-last published stats at scrape time; the latency histograms are observed by the loop as requests progress."""
+last published stats at scrape time; the latency histograms are observed by the loop as requests progress.
+
+Beyond the contract, for benchmarks and capacity planning: `flashgate_steps_total{kind}` (decode or prefill steps
+run) and `flashgate_moe_experts_touched_total{kind,layer}` (distinct routed experts each MoE layer read, summed over
+those steps; decode steps replayed from CUDA graphs include their padding rows). The expert counts live on the
+device and are copied from it at scrape time only."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine.model_runner import ExpertCounts
 
 # Seconds; TTFT spans a tiny CPU model's milliseconds up to a 1M-token prefill's minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -23,6 +32,7 @@ class EngineStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    expert_counts: ExpertCounts | None = None  # live counters, read when scraped
 
 
 class Metrics:
@@ -64,3 +74,20 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("flashgate_prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
         yield CounterMetricFamily("flashgate_generation_tokens", "Output tokens generated", s.generation_tokens)
         yield CounterMetricFamily("flashgate_preemptions", "Requests preempted by recompute", s.preemptions)
+        if s.expert_counts is None:
+            return
+        counts = s.expert_counts.read()
+        steps = CounterMetricFamily(
+            "flashgate_steps", "Steps run: decode (one token per request) or prefill (prompt tokens)", labels=["kind"]
+        )
+        touched = CounterMetricFamily(
+            "flashgate_moe_experts_touched",
+            "Distinct routed experts each MoE layer read, summed over the steps of a kind",
+            labels=["kind", "layer"],
+        )
+        for kind, (n_steps, per_layer) in counts.items():
+            steps.add_metric([kind], n_steps)
+            for layer, n in enumerate(per_layer):
+                touched.add_metric([kind, str(layer)], n)
+        yield steps
+        yield touched

@@ -26,3 +26,7 @@ def test_the_serving_benchmark_smoke_run(tmp_path):
     assert "output tok/s" in done.stdout and "TTFT ms" in done.stdout and "engine exited with 0" in done.stderr
     summary = json.loads(out.read_text())["summary"]
     assert summary["completed"] == 8 and summary["failed"] == 0 and summary["output_tokens_per_s"] > 0
+    # From the engine's /metrics: per MoE layer of the tiny model (8 experts, top-2), the mean distinct experts a decode
+    # step of up to 4 requests read.
+    assert summary["decode_steps"] > 0 and len(summary["decode_experts_touched"]) == 6
+    assert all(1 <= touched <= 8 for touched in summary["decode_experts_touched"])

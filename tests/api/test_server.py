@@ -340,6 +340,36 @@ def test_metrics_carry_every_contract_name(server):
     assert metrics["flashgate_time_to_first_token_seconds_count"] > 0
 
 
+def test_metrics_count_steps_and_the_experts_each_moe_layer_read(server, oracle):
+    """Between two scrapes, one request: a prefill step and max_tokens - 1 decode steps, and per kind and MoE layer
+    the distinct routed experts of those steps, as the offline engine's gates pick them for the same request."""
+    prompt, max_tokens = prompts(40, seed=11)[0], 5  # one prefill chunk in either engine
+    before = server.metrics()
+    server.client.completions.create(model="flash", prompt=prompt, max_tokens=max_tokens, **GREEDY)
+    after = server.metrics()
+    layers = oracle.engine.runner.model.layers
+    picked: list[tuple[int, int, int]] = []  # per gate call: layer, tokens, distinct experts
+    hooks = [
+        layer.ffn.gate.register_forward_hook(
+            lambda _m, _i, out, i=i: picked.append((i, len(out[1]), out[1].unique().numel()))
+        )
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        oracle.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for kind, steps in (("prefill", 1), ("decode", max_tokens - 1)):
+        calls = [(i, n) for i, tokens, n in picked if (tokens == 1) == (kind == "decode")]
+        assert len(calls) == steps * len(layers)
+        name = f'flashgate_steps_total{{kind="{kind}"}}'
+        assert after[name] - before[name] == steps
+        for i in range(len(layers)):
+            name = f'flashgate_moe_experts_touched_total{{kind="{kind}",layer="{i}"}}'
+            assert after[name] - before[name] == sum(n for layer, n in calls if layer == i), name
+
+
 def test_nothing_was_logged_as_an_error(server):
     errors = [e for e in server.logs() if e["level"] in ("error", "critical")]
     assert not errors, errors

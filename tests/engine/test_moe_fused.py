@@ -1,7 +1,8 @@
 """The MoE block's launch-cutting kernels against their references, in Triton's interpreter at small sizes: the gate
 from x (partial logits over splits of D, then the selection; hash layers with only the picked experts' logits), the
-counting sort of (token, pick) pairs by expert, the shared expert's SwiGLU, the combine of picks and shared expert,
-the routed pairs, and the shared expert's fused gate/up weight. tests/gpu/test_moe_gpu.py runs them at size."""
+counting sort of (token, pick) pairs by expert (and its count of the experts touched), the shared expert's SwiGLU, the
+combine of picks and shared expert, the routed pairs, and the shared expert's fused gate/up weight.
+tests/gpu/test_moe_gpu.py runs them at size."""
 
 from __future__ import annotations
 
@@ -113,6 +114,19 @@ def test_group_pairs_matches_reference(pairs, n_experts, case):
         assert got.dtype == ref.dtype and torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("impl", [group_pairs_by_expert_reference, group_pairs_by_expert_triton], ids=["ref", "triton"])
+def test_counting_sort_counts_the_experts_touched(impl):
+    """Pairs on experts 3, 3, 1, 7, 1, 0 touch four experts, the first two pairs one: each call adds its count to
+    the counter it is given (an element of a table at any offset, as the serving runner's are), none without."""
+    flat = torch.tensor([3, 3, 1, 7, 1, 0])
+    table = torch.zeros(2, 3, dtype=torch.int64)
+    impl(flat, 8, table[1, 2])
+    impl(flat[:2], 8, table[1, 2])
+    impl(flat, 8, table[0, 1])
+    impl(flat, 8)
+    assert table.tolist() == [[0, 4, 0], [0, 0, 5]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("limit", [0.0, 1.0])
 def test_shared_swiglu_matches_reference(dtype, limit):
@@ -153,6 +167,21 @@ def test_expert_pairs_match_reference(hashed):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     summed = ref.view(7, K, d).sum(1)
     torch.testing.assert_close(summed, moe_experts_reference(x, weights, ids, w1, w3, w2, LIMIT), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", [moe_expert_pairs_reference, moe_expert_pairs_triton], ids=["ref", "triton"])
+def test_expert_pairs_count_the_distinct_experts_they_read(impl):
+    """Picks [[5, 5, 2], [2, 0, 1]] (a hash row naming expert 5 twice) read four experts; no tokens read none."""
+    d, inter = 64, 32
+    gen = torch.Generator().manual_seed(12)
+    x, weights = torch.randn(2, d, generator=gen), torch.rand(2, K, generator=gen)
+    w1, w3 = torch.randn(2, E, inter, d, generator=gen) * d**-0.5
+    w2 = torch.randn(E, d, inter, generator=gen) * inter**-0.5
+    touched = torch.zeros((), dtype=torch.int64)
+    impl(x, weights, torch.tensor([[5, 5, 2], [2, 0, 1]]), w1, w3, w2, LIMIT, touched)
+    assert touched.item() == 4
+    impl(x[:0], weights[:0], torch.zeros(0, K, dtype=torch.long), w1, w3, w2, LIMIT, touched)
+    assert touched.item() == 4
 
 
 def _moe(hashed: bool, dtype: torch.dtype) -> moe_model.MoE:
@@ -204,13 +233,18 @@ def test_moe_block_through_the_kernels(monkeypatch, hashed, dtype):
     module = _moe(hashed, dtype)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
     input_ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(9))
+    touched = torch.zeros(2, dtype=torch.int64)  # what each path counts as the experts the block read
     monkeypatch.setenv("FLASHGATE_KERNELS", "torch")
+    module.touched = touched[0]
     with torch.no_grad():
         ref = module(x, input_ids)
+        picked = module.gate(x, input_ids)[1].unique().numel()
     module.shared_experts.fuse_gate_up()
     monkeypatch.setenv("FLASHGATE_KERNELS", "triton")
+    module.touched = touched[1]
     with torch.no_grad():
         got = module(x, input_ids)
     assert got.dtype == dtype and got.shape == x.shape
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    assert touched.tolist() == [picked, picked]

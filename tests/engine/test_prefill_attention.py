@@ -1,8 +1,10 @@
 """The attention layer's prefill path: each query's window rows and selected compressed rows, in blocks of queries
-bounded by PREFILL_BUDGET, against the dense formula over every key with masks, for each layer kind."""
+bounded by PREFILL_BUDGET, against the dense formula over every key with masks, for each layer kind; and the path
+through the decode kernels (Triton's interpreter here), each query one batch row, against that torch path."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -10,8 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from engine.cache.kv_cache import LayerKV
+from engine.cache.kv_cache import LayerKV, MainRows
 from engine.cache.pool import PageTable
+from engine.kernels import indexer, sparse_attention, topk
+from engine.kernels.quant import simulate_kv_row_fp8
+from engine.kernels.sparse_attention import sparse_decode_attention_reference, sparse_decode_attention_triton
 from engine.model import attention
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
@@ -25,16 +30,21 @@ PAGE = 256
 CUTS = [0, 1, 38, 39, 170, 261, 262, 301]
 
 
-def _layer(args: ModelArgs, ratio: int, pages: int) -> tuple[Attention, SequenceState]:
+def _layer(args: ModelArgs, ratio: int, pages: int, kv_dtype: str = "float32") -> tuple[Attention, SequenceState]:
     gen = torch.Generator().manual_seed(ratio)
-    attn = Attention(args, args.compress_ratios.index(ratio), quant_sim=False)
+    attn = Attention(args, args.compress_ratios.index(ratio), quant_sim=kv_dtype == "fp8_e4m3")
     with torch.no_grad():  # what the path reads of the layer's parameters: sink, compressors' position biases
         for name, param in attn.named_parameters():
             if name.endswith(("attn_sink", "ape")):
                 param.copy_(torch.randn(param.shape, generator=gen))
-    attn.kv = LayerKV(ratio, pages, 1, args, PAGE, "float32", "cpu")
+    attn.kv = LayerKV(ratio, pages, 1, args, PAGE, kv_dtype, "cpu")
     attn.kv.reset_slot(0)
     return attn, SequenceState(slot=0, table=PageTable(list(range(pages - 1, -1, -1))))
+
+
+def _page_table(seq: SequenceState) -> torch.Tensor:
+    """The request's row of the batch's device-side page table, as ForwardBatch.set_tables holds it."""
+    return torch.tensor(seq.table.pages, dtype=torch.int32)
 
 
 def _inputs(args: ModelArgs, ratio: int, length: int, seed: int = 0):
@@ -83,7 +93,7 @@ def _run_chunks(ratio: int, cuts: list[int], check_dense: bool) -> list[torch.Te
             positions = torch.arange(a, b)
             chunk = {k: (x[a:b], y[a:b]) for k, (x, y) in proj.items()}
             window_before = cache.ring.read(torch.arange(max(0, a - window + 1), a) % window)
-            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, positions, seq))
+            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, positions, seq, _page_table(seq)))
             if not check_dense:
                 continue
             n = b // ratio if ratio else 0
@@ -158,6 +168,78 @@ def test_a_long_chunk_at_a_long_context_stays_within_the_budget(ratio, monkeypat
     chunk_sized = q.numel()  # the output, as large as the queries; the largest tensor the chunk has anyway
     assert chunk_sized <= budget < length * args.index_n_heads * (p0 // 4)
     with torch.no_grad(), _LargestTensor() as mode:
-        out = attn._prefill(q, kv, proj, torch.arange(p0, p0 + length), seq)
+        out = attn._prefill(q, kv, proj, torch.arange(p0, p0 + length), seq, _page_table(seq))
     assert out.isfinite().all()
     assert mode.largest <= budget
+
+
+# Chunks of one request; those in KERNEL_CHUNKS run through the kernels (few queries: the interpreter runs them
+# program by program), the others fill the cache. Through the kernels: shorter than the window and than the top-k's
+# c4 rows from 0, then from mid-window (p0 = 5); past the top-k with window rows from the ring; across the first c128
+# window close (127); from 253, not page-aligned, across the second c128 close, a page boundary (256) and into the
+# second page of c4 rows (259).
+KERNEL_CUTS = [0, 5, 9, 40, 46, 126, 129, 253, 260]
+KERNEL_CHUNKS = {0, 1, 3, 5, 7}
+
+
+def _prefill_chunks(ratio: int, kv_dtype: str, dtype: torch.dtype, monkeypatch=None) -> list[torch.Tensor]:
+    """The outputs of the request's chunks, from inputs in `dtype` as a model of that dtype makes them (FP8 rows
+    come with quant_sim, whose kv the forward pass rounds as the FP8 ring stores it); with `monkeypatch`, the
+    KERNEL_CHUNKS through the kernels."""
+    attn, seq = _layer(TINY, ratio, 2, kv_dtype)
+    q, kv, proj = _inputs(TINY, ratio, KERNEL_CUTS[-1])
+    q, kv = q.to(dtype), kv.to(dtype)
+    if attn.quant_sim:
+        kv = simulate_kv_row_fp8(kv, TINY.qk_rope_head_dim)
+    if ratio == 4:
+        proj["query"] = (proj["query"][0].to(dtype), proj["query"][1])
+    outs = []
+    for i, (a, b) in enumerate(zip(KERNEL_CUTS[:-1], KERNEL_CUTS[1:], strict=True)):
+        chunk = {k: (x[a:b], y[a:b]) for k, (x, y) in proj.items()}
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            if monkeypatch is not None and i in KERNEL_CHUNKS:
+                _through_the_kernels(stack.enter_context(monkeypatch.context()))
+            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, torch.arange(a, b), seq, _page_table(seq)))
+    return outs
+
+
+def _through_the_kernels(monkeypatch) -> None:
+    """The layer's prefill and the kernels it calls pick Triton; the cache's row writers keep their references, so
+    both paths store the same rows (the interpreter rounds to e4m3 its own way, test_attention_decode.py). A tiny
+    budget: c4 queries in blocks of a few, the last one partial."""
+    for module in (attention, indexer, topk, sparse_attention):
+        monkeypatch.setattr(module, "use_triton", lambda device: True)
+    monkeypatch.setattr(attention, "PREFILL_BUDGET", 256)
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_kernel_prefill_matches_the_torch_prefill(ratio, kv_dtype, monkeypatch):
+    want = _prefill_chunks(ratio, kv_dtype, torch.bfloat16)
+    got = _prefill_chunks(ratio, kv_dtype, torch.bfloat16, monkeypatch)
+    for i in sorted(KERNEL_CHUNKS):
+        torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-5, msg=f"chunk at {KERNEL_CUTS[i]}")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("splits", [1, 3])  # the prefill's (a program per query), split-K + combine
+def test_attention_kernel_reads_window_rows_from_a_span(kv_dtype, splits):
+    """Each query's window is the rows up to its own in a span of rows, pages of `window` rows, the top-k list
+    beside it; positions from 0 (a partial window) to past the window, own rows across span pages."""
+    gen = torch.Generator().manual_seed(8)
+    heads, dim, rope, window, k = 8, 128, 64, 16, 5
+    positions = torch.tensor([0, 3, 15, 16, 17, 40], dtype=torch.int32)
+    own_row = positions - positions[0] + window - 1  # a chunk from position 0: window - 1 rows of padding first
+    span = MainRows(4, window, dim, rope, kv_dtype, "cpu")
+    span.write(torch.arange(4 * window), torch.randn(4 * window, dim, generator=gen))
+    comp = MainRows(6, 64, dim, rope, kv_dtype, "cpu")
+    comp.write(torch.arange(6 * 64), torch.randn(6 * 64, dim, generator=gen))
+    slots = torch.randint(0, 6 * 64, (len(positions), k), generator=gen).int()
+    comp_len = torch.tensor([0, 0, 3, 4, 5, 5], dtype=torch.int32)
+    q = torch.randn(len(positions), heads, dim, generator=gen).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=gen)
+    args = (q, sink, dim**-0.5, span.storage, own_row, positions, comp.storage, 64, slots, comp_len)
+    ref = sparse_decode_attention_reference(*args, torch.zeros(len(positions), heads, dim), window, rope, True)
+    got = sparse_decode_attention_triton(*args, torch.zeros(len(positions), heads, dim), window, rope, True,
+                                         splits=splits)  # fmt: skip
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

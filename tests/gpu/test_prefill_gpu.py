@@ -1,0 +1,135 @@
+"""Prefill attention through the decode kernels on a GPU at V4-Flash widths (64 heads x 512 with 64 RoPE channels,
+index 64 heads x 128, top-k 512, window 128), FP8 rows with quant_sim, one layer of each kind with dummy weights:
+against the torch prefill over a few thousand tokens in chunks, and the time of a 32K-token prefill in chunks of
+4096 (printed, with an estimate for 128K; run with -s to see it)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import pytest
+import torch
+
+from bench.shapes import v4_flash_width_config
+from engine.cache.kv_cache import LayerKV
+from engine.cache.pool import PagePool, PageTable
+from engine.model import attention
+from engine.model.args import ModelArgs
+from engine.model.attention import Attention
+from engine.model.state import ForwardBatch, SequenceState
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+ARGS = ModelArgs.from_config(v4_flash_width_config())
+
+
+def _layer(ratio: int, tokens: int, requests: int) -> tuple[Attention, PagePool]:
+    """One attention layer of the kind, as the dummy load format makes it (bf16, fp32 where the reference keeps
+    fp32), with an FP8 cache for `requests` requests of up to `tokens` tokens."""
+    layer_id = list(ARGS.compress_ratios).index(ratio)
+    torch.manual_seed(layer_id)
+    with torch.device(DEV):
+        attn = Attention(ARGS, layer_id, quant_sim=True)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand_like(p) * 0.2 + 0.9)
+            elif name.endswith(("attn_sink", "ape")):
+                p.copy_(torch.randn_like(p) * 0.5)
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+            if not (name.endswith(("norm.weight", "attn_sink", "ape")) or "compressor.w" in name):
+                p.data = p.data.bfloat16()
+    attn.fuse_projections()
+    pool = PagePool(requests * (tokens // 256 + 1), 256)
+    attn.kv = LayerKV(ratio, pool.num_pages, requests, ARGS, 256, "fp8_e4m3", DEV)
+    return attn, pool
+
+
+def _request(attn: Attention, slot: int) -> SequenceState:
+    attn.kv.reset_slot(slot)
+    return SequenceState(slot=slot, table=PageTable())
+
+
+def _chunk(attn: Attention, pool: PagePool, seq: SequenceState, x: torch.Tensor) -> torch.Tensor:
+    """The layer's forward over the request's next len(x) tokens, as the model runs a prefill chunk."""
+    start, n = seq.num_tokens, len(x)
+    seq.table.grow(pool, start + n)
+    batch = ForwardBatch(torch.zeros(n, dtype=torch.long, device=DEV), torch.arange(start, start + n, device=DEV),
+                         [seq], [n])  # fmt: skip
+    batch.set_tables(torch.tensor([seq.table.pages], dtype=torch.int32, device=DEV),
+                     torch.tensor([seq.slot], dtype=torch.int32, device=DEV))  # fmt: skip
+    with torch.inference_mode():
+        out = attn(x, batch)
+    seq.num_tokens += n
+    return out
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Per token, the relative error of the layer's output. The kernels' dots run in bf16 (the torch path in fp32)
+    and a near-tie in the indexer's scores may pick another of the top-k rows: small errors on every token."""
+    rel = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1)
+    print(f"{what}: relative error per token median {rel.median().item():.2e}, max {rel.max().item():.2e}")
+    assert rel.median() < 1e-2 and rel.max() < 5e-2, what
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_kernel_prefill_matches_the_torch_prefill(ratio, monkeypatch):
+    """3000 tokens in chunks starting mid-page and mid-window (1000, 2100), past two c128 windows and the top-k."""
+    cuts = [0, 1000, 2100, 3000]
+    attn, pool = _layer(ratio, cuts[-1], 2)
+    x = torch.randn(cuts[-1], ARGS.hidden_size, device=DEV, generator=torch.Generator(DEV).manual_seed(1)).bfloat16()
+    kernel_seq, torch_seq = _request(attn, 0), _request(attn, 1)
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        got = _chunk(attn, pool, kernel_seq, x[a:b])
+        with monkeypatch.context() as m:
+            m.setattr(attention, "use_triton", lambda device: False)
+            want = _chunk(attn, pool, torch_seq, x[a:b])
+        _compare(got, want, f"ratio {ratio}, tokens {a}..{b}")
+
+
+def _cache_tensors(attn: Attention) -> list[torch.Tensor]:
+    kv = attn.kv
+    return [kv.ring.storage, *(t.storage for t in (kv.comp, kv.index) if t is not None), *(kv.comp_state or ()),
+            *(kv.index_state or ())]  # fmt: skip
+
+
+@pytest.mark.parametrize("ratio", [4, 128, 0])
+def test_time_of_a_32k_prefill(ratio, monkeypatch):
+    """32768 tokens in chunks of 4096 through one layer (projections, compressors, indexer, attention), each chunk
+    timed; the time per chunk grows linearly with the context before it (the indexer scores every c4 row), so a
+    line through them gives the 32 chunks of 128K. The last chunk also runs the torch prefill from the same cache,
+    for the speed-up and a check at 28K context."""
+    tokens, chunk = 32768, 4096
+    attn, pool = _layer(ratio, tokens, 2)
+    x = torch.randn(tokens, ARGS.hidden_size, device=DEV, generator=torch.Generator(DEV).manual_seed(2)).bfloat16()
+    _chunk(attn, pool, _request(attn, 1), x[:chunk])  # compiles the kernels
+    seq, starts, ms = _request(attn, 0), list(range(0, tokens, chunk)), []
+    for start in starts:
+        if start == starts[-1]:
+            saved = [t.clone() for t in _cache_tensors(attn)]
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        got = _chunk(attn, pool, seq, x[start : start + chunk])
+        torch.cuda.synchronize()
+        ms.append((time.perf_counter() - began) * 1e3)
+    for t, s in zip(_cache_tensors(attn), saved, strict=True):
+        t.copy_(s)
+    seq.num_tokens = starts[-1]
+    with monkeypatch.context() as m:
+        m.setattr(attention, "use_triton", lambda device: False)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        want = _chunk(attn, pool, seq, x[starts[-1] :])
+        torch.cuda.synchronize()
+        torch_ms = (time.perf_counter() - began) * 1e3
+    slope, base = statistics.linear_regression(starts, ms)
+    long_starts = range(0, 131072, chunk)
+    estimate = sum(base + slope * s for s in long_starts) / 1e3
+    print(f"\nratio {ratio}: ms per {chunk}-token chunk at contexts {starts}: {[round(t, 1) for t in ms]}")
+    print(f"ratio {ratio}: 32K prefill {sum(ms) / 1e3:.3f} s; estimated 128K ({len(long_starts)} chunks) "
+          f"{estimate:.3f} s per layer of this kind; torch prefill of the last chunk {torch_ms:.1f} ms "
+          f"(kernels {ms[-1]:.1f} ms)")  # fmt: skip
+    _compare(got, want, f"ratio {ratio}, tokens {starts[-1]}..{tokens}")
