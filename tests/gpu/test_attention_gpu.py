@@ -5,13 +5,10 @@ a CUDA graph against eager steps, and the kernels one layer launches per decode 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.shapes import v4_flash_width_config
 from engine.cache.kv_cache import LayerKV, MainRows
 from engine.cache.pool import PagePool, PageTable
 from engine.kernels.kv_rows import (
@@ -24,14 +21,13 @@ from engine.kernels.kv_rows import (
 from engine.kernels.norm import rms_norm_triton
 from engine.kernels.quant import index_queries_reference, index_queries_triton, simulate_index_fp4_triton
 from engine.kernels.rope import rope_triton
-from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.layers import rope_inv_freq
 from engine.model.state import ForwardBatch, SequenceState
+from tests.gpu.flash_layers import ARGS, flash_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-ARGS = ModelArgs.from_config(v4_flash_width_config())
 HEAD_DIM, ROPE, WINDOW = ARGS.head_dim, ARGS.qk_rope_head_dim, ARGS.sliding_window
 
 
@@ -92,28 +88,9 @@ def test_decode_row_lists_at_a_million_tokens(ratio, rows_per_page, limit):
             assert torch.equal(got[2][b, :n], ref[2][b, :n])
 
 
-def _attention(ratio: int) -> Attention:
-    layer_id = list(ARGS.compress_ratios).index(ratio)
-    torch.manual_seed(layer_id)
-    with torch.device(DEV):
-        attn = Attention(ARGS, layer_id, quant_sim=True)
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand_like(p) * 0.2 + 0.9)
-            elif name.endswith(("attn_sink", "ape")):
-                p.copy_(torch.randn_like(p) * 0.5)
-            else:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
-            if not (name.endswith(("norm.weight", "attn_sink", "ape")) or "compressor.w" in name):
-                p.data = p.data.bfloat16()
-    attn.fuse_projections()
-    return attn
-
-
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_fused_projections_against_separate_gemms(ratio):
-    attn = _attention(ratio)
+    attn = flash_attention(ratio)
     for batch in (1, 16, 64):
         x = torch.randn(batch, ARGS.hidden_size, device=DEV).bfloat16()
         inputs = {"x": x, "qr": torch.randn(batch, ARGS.q_lora_rank, device=DEV).bfloat16(), "x_fp32": x.float()}
@@ -150,7 +127,7 @@ def _decode_setup(attn: Attention, batch: int, context: int):
 def test_one_layer_in_a_cuda_graph_gives_the_eager_step(ratio):
     """Capture-safe: the compressed-row lists the first layer of a kind makes a step are made inside the capture
     (the warm-up made them too, from the same batch object), and a replay at other positions gives the eager step."""
-    attn, batch_size = _attention(ratio), 4
+    attn, batch_size = flash_attention(ratio), 4
     batch = _decode_setup(attn, batch_size, 4095)  # at 4095, 4103 c4 windows close, at 4095, 4223 c128 ones
     x = torch.randn(batch_size, ARGS.hidden_size, device=DEV).bfloat16()
     kv = attn.kv
@@ -179,7 +156,7 @@ def test_one_layer_in_a_cuda_graph_gives_the_eager_step(ratio):
 # plus what cuBLAS adds); before the fusions the interpreter counted 19, 80 and 35.
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_kernels_per_decode_step(ratio):
-    attn = _attention(ratio)
+    attn = flash_attention(ratio)
     batch = _decode_setup(attn, 1, 4095)
     x = torch.randn(1, ARGS.hidden_size, device=DEV).bfloat16()
     with torch.inference_mode():

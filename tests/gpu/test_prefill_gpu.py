@@ -5,44 +5,27 @@ against the torch prefill over a few thousand tokens in chunks, and the time of 
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
 import pytest
 import torch
 
-from bench.shapes import v4_flash_width_config
 from engine.cache.kv_cache import LayerKV
 from engine.cache.pool import PagePool, PageTable
 from engine.model import attention
-from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.state import ForwardBatch, SequenceState
+from tests.gpu.flash_layers import ARGS, flash_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-ARGS = ModelArgs.from_config(v4_flash_width_config())
 
 
 def _layer(ratio: int, tokens: int, requests: int) -> tuple[Attention, PagePool]:
     """One attention layer of the kind, as the dummy load format makes it (bf16, fp32 where the reference keeps
     fp32), with an FP8 cache for `requests` requests of up to `tokens` tokens."""
-    layer_id = list(ARGS.compress_ratios).index(ratio)
-    torch.manual_seed(layer_id)
-    with torch.device(DEV):
-        attn = Attention(ARGS, layer_id, quant_sim=True)
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.rand_like(p) * 0.2 + 0.9)
-            elif name.endswith(("attn_sink", "ape")):
-                p.copy_(torch.randn_like(p) * 0.5)
-            else:
-                p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
-            if not (name.endswith(("norm.weight", "attn_sink", "ape")) or "compressor.w" in name):
-                p.data = p.data.bfloat16()
-    attn.fuse_projections()
+    attn = flash_attention(ratio, DEV)
     pool = PagePool(requests * (tokens // 256 + 1), 256)
     attn.kv = LayerKV(ratio, pool.num_pages, requests, ARGS, 256, "fp8_e4m3", DEV)
     return attn, pool
