@@ -111,11 +111,15 @@ def _topk_select_kernel(
             need = tl.load(remaining_ptr + b)
             prefix = tl.load(prefix_ptr + b)
         i = tl.arange(0, NUM_BINS)
-        from_top = tl.load(hist_ptr + b * NUM_BINS + (NUM_BINS - 1 - i))  # counts, highest bin first
-        tl.store(hist_ptr + b * NUM_BINS + i, tl.zeros([NUM_BINS], dtype=tl.int32))
+        row = hist_ptr + b * NUM_BINS + (NUM_BINS - 1 - i)
+        from_top = tl.load(row)  # counts, highest bin first
         cum = tl.cumsum(from_top, axis=0)
         pick = tl.sum((cum < need).to(tl.int32), axis=0)  # first position whose cumulative count reaches `need`
         above = tl.sum(tl.where(i == pick, cum - from_top, 0), axis=0)
+        # Cleared through the pointers it was read through: each thread zeroes only the bins it loaded. (Zeroing bin
+        # i while bin 255 - i was read raced across warps, since nothing orders one warp's global store before
+        # another's load: on the H200 a block of 900 prefill queries got selections short of k.)
+        tl.store(row, tl.zeros([NUM_BINS], dtype=tl.int32))
         tl.store(prefix_ptr + b, (prefix << BITS) | (NUM_BINS - 1 - pick))
         tl.store(remaining_ptr + b, need - above)
 

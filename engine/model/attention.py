@@ -282,9 +282,9 @@ class Attention(nn.Module):
                 tables = page_table[None].expand(m, -1)
                 iq, iw = proj["query"]
                 indexer_logits(iq[b], iw[b], cache.index.values, cache.index.scales, tables, visible[b], logits[:m])
-                # The top-k as the reference picks it (ties keep the lower row): on the H200 the radix-select kernel
-                # left entries unwritten for a block of 900 queries that all had > k rows, and its cause is not yet
-                # found; an eager prefill can afford a sort of its [m, n] logits.
+                # The top-k as the reference picks it (ties keep the lower row), a sort an eager prefill can afford.
+                # This is what the H200 checked; the radix-select kernel (topk.py) left selections short for a
+                # 900-query block there, a race since fixed but not yet re-run on a GPU.
                 scores = logits[:m].masked_fill(columns >= visible[b, None], float("-inf"))
                 rows = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
                 slots = page_table[rows // per_page] * per_page + (rows % per_page).int()
