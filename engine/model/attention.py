@@ -12,7 +12,6 @@ that request's own state, so the work per step follows each request's actual len
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.cache.kv_cache import LayerKV
@@ -25,7 +24,7 @@ from engine.kernels.rope import rms_rope, rope
 from engine.kernels.sparse_attention import attend_parts_with_sink, sparse_decode_attention
 from engine.kernels.topk import topk_slots
 from engine.model.args import ModelArgs
-from engine.model.layers import RMSNorm, Rotary
+from engine.model.layers import FusedLinear, RMSNorm, Rotary
 from engine.model.state import ForwardBatch
 
 # Elements of the largest tensor the prefill path makes per block of queries (256 MiB in fp32): a chunk's
@@ -127,7 +126,7 @@ class Attention(nn.Module):
         # Projections that read the same input, each group one GEMM over one weight that the members' parameters
         # are views of (`fuse_projections`): of x, wq_a, wkv and the indexer's weights_proj; of the normed q LoRA,
         # wq_b and the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
-        self._fused: dict[str, _FusedLinear] = {}
+        self._fused: dict[str, FusedLinear] = {}
 
     def _projection_groups(self) -> dict[str, list[nn.Linear]]:
         index = self.indexer
@@ -143,9 +142,9 @@ class Attention(nn.Module):
         of it: no weight memory is duplicated and the parameters keep their names. Call once after the weights are
         loaded and cast; `forward` fuses on first use too, and again whenever a parameter stopped being a view of
         its group (a cast, a move to another device), so the layer always runs the fused GEMMs."""
-        self._fused = {name: _FusedLinear(group) for name, group in self._projection_groups().items()}
+        self._fused = {name: FusedLinear(group) for name, group in self._projection_groups().items()}
 
-    def _projections(self) -> dict[str, _FusedLinear]:
+    def _projections(self) -> dict[str, FusedLinear]:
         if not self._fused or not all(f.intact() for f in self._fused.values()):
             self.fuse_projections()
         return self._fused
@@ -329,33 +328,3 @@ class Attention(nn.Module):
         return sparse_decode_attention(q, self.attn_sink, self.scale, cache.ring.storage, batch.slots, positions,
                                        comp_rows, rows_per_page, comp_slots, comp_len, out, self.window,
                                        self.rotary.rope_dim)  # fmt: skip
-
-
-class _FusedLinear:
-    """Bias-free linears that read the same input, as one GEMM: their weights concatenated along the output
-    dimension into one tensor, each member's parameter a view of its rows. Calling it returns each member's output,
-    column slices of the one product."""
-
-    def __init__(self, linears: list[nn.Linear]):
-        self.linears = linears
-        self.sizes = [linear.out_features for linear in linears]
-        with torch.no_grad():
-            self.weight = torch.cat([linear.weight.detach() for linear in linears])
-            offset = 0
-            for linear, size in zip(linears, self.sizes, strict=True):
-                linear.weight.data = self.weight[offset : offset + size]
-                offset += size
-
-    def intact(self) -> bool:
-        """Whether every member's parameter is still a view of the fused weight (a cast or a move replaces it)."""
-        base, step, offset = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size(), 0
-        for linear, size in zip(self.linears, self.sizes, strict=True):
-            w = linear.weight
-            if w.dtype != self.weight.dtype or w.device != self.weight.device or w.data_ptr() != base + offset * step:
-                return False
-            offset += size
-        return True
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        # A float64 model (tests) runs its fp32 groups in float64 too, so its results do not depend on chunking.
-        return list(F.linear(x, self.weight.to(x.dtype)).split(self.sizes, dim=-1))

@@ -91,7 +91,7 @@ class DeepseekV4(nn.Module):
         state dict of views cannot be saved as safetensors, so checkpoint tools do not call it."""
         for block in (*self.layers, *self.mtp):
             block.attn.fuse_projections()
-            block.ffn.shared_experts.fuse_gate_up()
+            block.ffn.shared_experts.fuse_projections()
         return self
 
     @property

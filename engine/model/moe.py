@@ -9,10 +9,10 @@ a call reads into `MoE.touched` when the serving runner points it at a counter (
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.moe import gate_route, moe_combine, moe_expert_pairs, shared_swiglu
+from engine.model.layers import FusedLinear
 
 
 class Gate(nn.Module):
@@ -53,8 +53,7 @@ class Experts(nn.Module):
 class SharedExpert(nn.Module):
     """Every token, weight 1: dense matmuls (cuBLAS streams the matrices at full bandwidth). It stays out of the
     grouped GEMM because its weights are separate tensors and, in V4-Flash checkpoints, in another format (FP8) than
-    the routed experts (FP4). After fuse_gate_up, w1 and w3 are the two halves of one [2I, D] tensor and their
-    projections one GEMM."""
+    the routed experts (FP4). w1 and w3 run as one GEMM over a [2I, D] weight their parameters are views of."""
 
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
@@ -62,39 +61,19 @@ class SharedExpert(nn.Module):
         self.w1 = nn.Linear(dim, inter, bias=False)
         self.w3 = nn.Linear(dim, inter, bias=False)
         self.w2 = nn.Linear(inter, dim, bias=False)
-        self._w13: torch.Tensor | None = None  # a plain attribute: not in the state dict
+        self.gate_up: FusedLinear | None = None  # not a submodule: its members are w1 and w3
 
-    def gate_up_weight(self) -> torch.Tensor | None:
-        """The [2I, D] tensor whose halves w1 and w3 are, while they still are (a cast or a move that replaces
-        their data undoes it), else None."""
-        w13, w1, w3 = self._w13, self.w1.weight, self.w3.weight
-        if w13 is None or w1.dtype != w13.dtype or w3.dtype != w13.dtype or w1.device != w13.device:
-            return None
-        if w1.data_ptr() != w13.data_ptr() or w3.data_ptr() != w13.data_ptr() + w1.numel() * w1.element_size():
-            return None
-        return w13
-
-    @torch.no_grad()
-    def fuse_gate_up(self) -> None:
-        """Makes w1 and w3 views of one [2I, D] tensor, values and names unchanged (the old tensors are freed, so no
-        weight memory is duplicated). Call once the weights are in their final dtype and device (after loading or
-        casting); loading into the views in place keeps them fused. Idempotent."""
-        w1, w3 = self.w1.weight, self.w3.weight
-        if self.gate_up_weight() is not None or w1.dtype != w3.dtype or w1.device != w3.device:
-            return
-        w13 = torch.cat([w1.data, w3.data])
-        w1.data, w3.data = w13[: w1.shape[0]], w13[w1.shape[0] :]
-        self._w13 = w13
+    def fuse_projections(self) -> None:
+        """Makes w1 and w3 views of one [2I, D] tensor, names and values unchanged, no memory duplicated. Call once
+        the weights are final; forward fuses on first use too, and again whenever a parameter stopped being a view
+        (a cast, a move to another device)."""
+        self.gate_up = FusedLinear([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, D] in x's dtype."""
-        w13 = self.gate_up_weight()
-        if w13 is not None:
-            gate_up = F.linear(x, w13)
-            inter = self.w1.weight.shape[0]
-            gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        else:
-            gate, up = self.w1(x), self.w3(x)
+        if self.gate_up is None or not self.gate_up.intact():
+            self.fuse_projections()
+        gate, up = self.gate_up(x)
         return self.w2(shared_swiglu(gate, up, self.limit))
 
 

@@ -175,8 +175,8 @@ def _flash_moe(experts, hashed: bool) -> moe_model.MoE:
     for linear in (module.shared_experts.w1, module.shared_experts.w3, module.shared_experts.w2):
         linear.weight = param(normal(*linear.weight.shape))
     assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-    module.shared_experts.fuse_gate_up()
-    assert module.shared_experts.gate_up_weight() is not None
+    module.shared_experts.fuse_projections()
+    assert module.shared_experts.gate_up.intact()
     return module.eval()
 
 
