@@ -12,16 +12,21 @@ that request's own state, so the work per step follows each request's actual len
 from __future__ import annotations
 
 import torch
+import triton
 from torch import nn
 
 from engine.cache.kv_cache import LayerKV
 from engine.kernels.compressor import compressor_decode_step, finish_rows, pool_windows
-from engine.kernels.dispatch import use_triton
-from engine.kernels.indexer import indexer_logits
+from engine.kernels.dispatch import splits_for, use_triton
+from engine.kernels.indexer import indexer_logits, indexer_logits_triton
 from engine.kernels.kv_rows import decode_row_lists, write_main_rows, write_window_rows
 from engine.kernels.quant import index_queries, simulate_kv_row_fp8
 from engine.kernels.rope import rms_rope, rope
-from engine.kernels.sparse_attention import attend_parts_with_sink, sparse_decode_attention
+from engine.kernels.sparse_attention import (
+    attend_parts_with_sink,
+    sparse_decode_attention,
+    sparse_decode_attention_triton,
+)
 from engine.kernels.topk import topk_slots
 from engine.model.args import ModelArgs
 from engine.model.layers import FusedLinear, RMSNorm, Rotary
@@ -251,7 +256,10 @@ class Attention(nn.Module):
         """The prefill attention through the decode kernels, each query one batch row: its window rows from the span
         (in the ring's row format, so FP8 rows hold what the ring holds), then the indexer's top-k of its c4 rows, or
         the c128 rows it sees (one list, a stride-0 row per query). c4 queries go in blocks whose index logits, one
-        fp32 per c4 row of the request, hold at most PREFILL_BUDGET elements; no block waits for the device."""
+        fp32 per c4 row of the request, hold at most PREFILL_BUDGET elements; no block waits for the device.
+        Launch shapes depend only on the power of two above a block's size, so the kernels compile few variants and
+        the boot warm-up makes them all: blocks of a multiple of 16 queries (per-query slices stay 64-byte aligned),
+        splits from that power of two, logits rows of whole pages, top-k lists of k columns, an aligned table."""
         cache, window, ring = self.kv, self.window, self.kv.ring
         positions = positions.int()
         if ring.fp8:  # the ring's encoder: it rounds as the ring's rows and the reference's simulation do
@@ -269,30 +277,35 @@ class Attention(nn.Module):
             lists = comp_slots.int()[None] if comp_slots.numel() else lists
         if self.indexer is not None:
             k, n = self.indexer.topk, max(len(comp_slots), 1)  # a launch needs a column even before the first c4 row
-            step = max(1, min(len(q), PREFILL_BUDGET // n))
-            logits = torch.empty(step, n, device=q.device)
+            step = min(len(q), max(16, PREFILL_BUDGET // n // 16 * 16))
+            logits = torch.empty(step, -(-n // 64) * 64, device=q.device)
             columns, per_page = torch.arange(n, device=q.device)[None, :], cache.comp.rows_per_page
             lengths = visible.clamp(max=k)
+            table = page_table.clone()  # a row of the batch's table sits at any offset
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for a in range(0, len(q), step):
             b = slice(a, a + step)
             m = len(positions[b])
+            width = triton.next_power_of_2(m)
             if self.indexer is not None:
-                tables = page_table[None].expand(m, -1)
+                tables = table[None].expand(m, -1)
                 iq, iw = proj["query"]
-                indexer_logits(iq[b], iw[b], cache.index.values, cache.index.scales, tables, visible[b], logits[:m])
+                indexer_logits_triton(iq[b], iw[b], cache.index.values, cache.index.scales, tables, visible[b],
+                                      logits[:m], splits=splits_for(width, q.device, waves=5))  # fmt: skip
                 # The top-k as the reference picks it (ties keep the lower row), a sort an eager prefill can afford.
                 # This is what the H200 checked; the radix-select kernel (topk.py) left selections short for a
                 # 900-query block there, a race since fixed but not yet re-run on a GPU.
-                scores = logits[:m].masked_fill(columns >= visible[b, None], float("-inf"))
+                scores = logits[:m, :n].masked_fill(columns >= visible[b, None], float("-inf"))
                 rows = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-                slots = page_table[rows // per_page] * per_page + (rows % per_page).int()
-                picked = torch.where(rows < visible[b, None], slots, -1)
+                slots = table[rows // per_page] * per_page + (rows % per_page).int()
+                picked = torch.full((m, k), -1, dtype=torch.int32, device=q.device)
+                picked[:, : rows.shape[1]] = torch.where(rows < visible[b, None], slots, -1)
             else:
                 picked = lists.expand(m, -1)
-            sparse_decode_attention(q[b], self.attn_sink, self.scale, span, own_row[b], positions[b], comp_rows,
-                                    rows_per_page, picked, lengths[b], out[b], window, self.rotary.rope_dim,
-                                    window_span=True)  # fmt: skip
+            splits = splits_for(width, q.device, waves=1, cap=16)
+            sparse_decode_attention_triton(q[b], self.attn_sink, self.scale, span, own_row[b], positions[b], comp_rows,
+                                           rows_per_page, picked, lengths[b], out[b], window, self.rotary.rope_dim,
+                                           window_span=True, splits=splits)  # fmt: skip
         return out
 
     def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:
