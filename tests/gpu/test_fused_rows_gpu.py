@@ -14,6 +14,7 @@ from engine.kernels.quant import (
     simulate_index_fp4_reference,
     simulate_index_fp4_triton,
 )
+from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -104,14 +105,7 @@ def test_fused_kernels_capture_into_a_cuda_graph_and_replay():
         ring.write(slots, rows)
         return simulate_index_fp4(q)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step)
     rows.copy_(_rows(n, torch.bfloat16, 2))
     slots.copy_(_slots(n, rows_per_page, pages, 2))
     q.copy_(_queries(n, torch.bfloat16, 2))

@@ -9,6 +9,7 @@ import torch
 
 from engine.kernels import mhc, norm, rope
 from engine.model.layers import rope_inv_freq
+from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -87,14 +88,7 @@ def test_hc_post_mix_at_flash_sizes_eager_and_in_a_cuda_graph(dtype, n):
     want += (mhc.hc_post_reference(got[1], got[0], got[2], got[3]), mhc.hc_head_reference(got[4], *head_params))
     for g, w in zip(got, want, strict=True):
         _close(g, w)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fused()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fused()
+    graph, captured = capture(fused)
     streams.copy_(torch.randn(n, HC, DIM, device=DEV, generator=gen).to(dtype))
     out.copy_((torch.randn(n, DIM, device=DEV, generator=gen) * 3).to(dtype))
     graph.replay()
@@ -149,14 +143,7 @@ def test_kernels_capture_into_a_cuda_graph_and_replay():
         new_streams = mhc.hc_post_triton(out, streams, post, comb)
         return q, new_streams, mhc.hc_head_triton(new_streams, *head_params)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile outside the capture
-        sublayer()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = sublayer()
+    graph, captured = capture(sublayer)
     streams.copy_(torch.randn(n, HC, DIM, device=DEV, generator=gen).to(dtype))
     positions.copy_(torch.randint(0, 1 << 16, (n,), device=DEV, generator=gen))
     graph.replay()
