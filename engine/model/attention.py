@@ -27,7 +27,7 @@ from engine.kernels.sparse_attention import (
     sparse_decode_attention,
     sparse_decode_attention_triton,
 )
-from engine.kernels.topk import topk_slots
+from engine.kernels.topk import topk_slots, topk_slots_triton
 from engine.model.args import ModelArgs
 from engine.model.layers import FusedLinear, RMSNorm, Rotary
 from engine.model.state import ForwardBatch
@@ -279,7 +279,6 @@ class Attention(nn.Module):
             k, n = self.indexer.topk, max(len(comp_slots), 1)  # a launch needs a column even before the first c4 row
             step = min(len(q), max(16, PREFILL_BUDGET // n // 16 * 16))
             logits = torch.empty(step, -(-n // 64) * 64, device=q.device)
-            columns, per_page = torch.arange(n, device=q.device)[None, :], cache.comp.rows_per_page
             lengths = visible.clamp(max=k)
             table = page_table.clone()  # a row of the batch's table sits at any offset
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -292,14 +291,9 @@ class Attention(nn.Module):
                 iq, iw = proj["query"]
                 indexer_logits_triton(iq[b], iw[b], cache.index.values, cache.index.scales, tables, visible[b],
                                       logits[:m], splits=splits_for(width, q.device, waves=5))  # fmt: skip
-                # The top-k as the reference picks it (ties keep the lower row), a sort an eager prefill can afford.
-                # This is what the H200 checked; the radix-select kernel (topk.py) left selections short for a
-                # 900-query block there, a race since fixed but not yet re-run on a GPU.
-                scores = logits[:m, :n].masked_fill(columns >= visible[b, None], float("-inf"))
-                rows = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-                slots = table[rows // per_page] * per_page + (rows % per_page).int()
-                picked = torch.full((m, k), -1, dtype=torch.int32, device=q.device)
-                picked[:, : rows.shape[1]] = torch.where(rows < visible[b, None], slots, -1)
+                picked = torch.empty(m, k, dtype=torch.int32, device=q.device)
+                topk_slots_triton(logits[:m], visible[b], tables, k, picked,
+                                  splits=splits_for(width, q.device, waves=1, cap=128))  # fmt: skip
             else:
                 picked = lists.expand(m, -1)
             splits = splits_for(width, q.device, waves=1, cap=16)
