@@ -22,6 +22,7 @@ import triton.language as tl
 from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
 from engine.kernels.dispatch import interpreting, splits_for, use_triton, wide
 
+LOG2E = 1.4426950408889634
 BLOCK_N = 64  # launch defaults from `bench/kernels.py --sweep` on an H200 (bench/results/kernels.md)
 
 
@@ -89,33 +90,47 @@ def sparse_decode_attention_reference(
 
 
 @triton.jit
-def _load_rows(ptr, page, row, rows_per_page, valid, D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr):
-    """Rows at (page, row) as (nope [BN, NOPE_POW2] fp32, zero past NOPE; rope [BN, D - NOPE] fp32). Invalid rows
-    read as zeros without touching memory."""
-    NOPE_BLOCKS: tl.constexpr = triton.next_power_of_2(NOPE // 64)
-    ROPE: tl.constexpr = D - NOPE
-    blk = tl.arange(0, NOPE_BLOCKS)
-    e = tl.arange(0, 64)
-    r = tl.arange(0, ROPE)
-    nope_mask = valid[:, None, None] & (blk < NOPE // 64)[None, :, None]
-    if FP8:
-        data_bytes = NOPE + 2 * ROPE
-        page_base = page.to(tl.int64) * (rows_per_page * (data_bytes + 8))
-        data = tl.multiple_of(page_base + row * data_bytes, 16)  # rows start 16-byte aligned: vector loads
-        raw = tl.load(ptr + data[:, None, None] + (blk[:, None] * 64 + e[None, :])[None, :, :], mask=nope_mask, other=0)
-        scale_at = page_base + rows_per_page * data_bytes + row * 8
-        exps = tl.load(
-            ptr + scale_at[:, None] + blk[None, :], mask=valid[:, None] & (blk < NOPE // 64)[None, :], other=127
-        )
-        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(exps.to(tl.float32) - 127.0)[:, :, None]
-        rope_ptr = (ptr + data + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        rope = tl.load(rope_ptr[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+def _block_slots(blk, b, t, ring_page, win_len, clen, cslots_ptr, stride_cb, W: tl.constexpr, BN: tl.constexpr,
+                 WINDOW_SPAN: tl.constexpr):  # fmt: skip
+    """Slots of block blk of request b's keys (-1 = none): the window's blocks first (ring rows, newest first, or
+    the prefill span's rows up to the query's own), then the compressed-row list's."""
+    idx = blk * BN + tl.arange(0, BN)
+    c = idx - W
+    listed = tl.load(cslots_ptr + b * stride_cb + c, mask=(c >= 0) & (c < clen), other=-1)
+    if WINDOW_SPAN:
+        in_ring = ring_page - idx
     else:
-        base = (page.to(tl.int64) * rows_per_page + row) * D
-        nope = tl.load(ptr + base[:, None, None] + (blk[:, None] * 64 + e[None, :])[None, :, :], mask=nope_mask,
-                       other=0.0)  # fmt: skip
-        rope = tl.load(ptr + base[:, None] + NOPE + r[None, :], mask=valid[:, None], other=0.0)
-    return tl.reshape(nope.to(tl.float32), (nope.shape[0], NOPE_BLOCKS * 64)), rope.to(tl.float32)
+        in_ring = ring_page * W + (t - idx + W) % W
+    return tl.where(blk < W // BN, tl.where(idx < win_len, in_ring, -1), listed)
+
+
+@triton.jit
+def _load_keys(
+    base, slot, rows_per_page, D: tl.constexpr, NOPE: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr
+):
+    """Rows at `slot` as one [BN, D] tile in the MMA's type, zeros where slot < 0 (nothing read). FP8 rows: the 64-wide
+    e4m3 blocks times their power-of-two scales, the bf16 RoPE part in the last 64 columns, where the query has it."""
+    valid = slot >= 0
+    if FP8:
+        NB: tl.constexpr = D // 64
+        blk = tl.arange(0, NB)
+        e = tl.arange(0, 64)
+        is_nope = (blk < NOPE // 64)[None, :]
+        data_bytes = NOPE + 2 * (D - NOPE)
+        page_base = (slot // rows_per_page).to(tl.int64) * rows_per_page * (data_bytes + 8)
+        row = slot % rows_per_page
+        data = tl.multiple_of(page_base + row * data_bytes, 16)  # rows start 16-byte aligned: vector copies
+        raw = tl.load(base + data[:, None, None] + (blk[:, None] * 64 + e[None, :])[None, :, :],
+                      mask=(valid[:, None] & is_nope)[:, :, None], other=0)  # fmt: skip
+        exps = tl.load(base + (page_base + rows_per_page * data_bytes + row * 8)[:, None] + blk[None, :],
+                       mask=valid[:, None] & is_nope, other=127)  # fmt: skip
+        rope = tl.load((base + data + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)[:, None] + e[None, :],
+                       mask=valid[:, None], other=0.0)  # fmt: skip
+        nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(exps.to(tl.float32) - 127.0)[:, :, None]
+        keys = tl.reshape(tl.where(is_nope[:, :, None], nope, rope.to(tl.float32)[:, None, :]), (slot.shape[0], D))
+    else:
+        keys = tl.load(base + slot.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    return keys.to(tl.float32 if F32_DOT else tl.bfloat16)
 
 
 @triton.jit
@@ -129,13 +144,14 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr, win_ptr, comp_ptr, seq_slot_ptr, pos_ptr, cslots_ptr, clen_ptr, o_part_ptr, lse_part_ptr, sink_ptr, out_ptr,
-    stride_qb, stride_qh, stride_cb, stride_ob, stride_oh, scale,
+    stride_qb, stride_qh, stride_cb, stride_ob, stride_oh, scale_log2,
     H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, W: tl.constexpr,
     R_COMP: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, F32_DOT: tl.constexpr,
     WINDOW_SPAN: tl.constexpr,
 ):  # fmt: skip
-    NOPE_PAD: tl.constexpr = triton.next_power_of_2(NOPE // 64) * 64
-    ROPE: tl.constexpr = D - NOPE
+    """One loop over the blocks of a request's keys, window and list alike, so that the pipeliner copies a block's
+    rows while the previous one is in the MMAs; each block's slots are loaded one step ahead. Scores in log2 units
+    (scale_log2 = scale * log2 e), so the softmax is exp2."""
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,61 +159,45 @@ def _sparse_attention_kernel(
     ring_page = tl.load(seq_slot_ptr + b)
     win_len = tl.minimum(t + 1, W)
     clen = tl.load(clen_ptr + b)
-    win_blocks = tl.cdiv(win_len, BN)  # window blocks past the filled part are skipped
-    n_blocks = W // BN + tl.cdiv(clen, BN)
+    n_blocks = W // BN + tl.cdiv(clen, BN)  # list blocks past the real length are never visited
     heads = hb * HB + tl.arange(0, HB)
-    head_ok = (heads < H)[:, None]
-    dn = tl.arange(0, NOPE_PAD)
-    dr = tl.arange(0, ROPE)
-    j = tl.arange(0, BN)
-    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_nope = tl.load(q_row + dn[None, :], mask=head_ok & (dn < NOPE)[None, :], other=0.0)
-    q_rope = tl.load(q_row + NOPE + dr[None, :], mask=head_ok, other=0.0)
+    head_ok = heads < H
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
     m = tl.full([HB], float("-inf"), tl.float32)
     denom = tl.zeros([HB], tl.float32)
-    acc_nope = tl.zeros([HB, NOPE_PAD], tl.float32)
-    acc_rope = tl.zeros([HB, ROPE], tl.float32)
+    acc = tl.zeros([HB, D], tl.float32)
+    next_slot = _block_slots(split, b, t, ring_page, win_len, clen, cslots_ptr, stride_cb, W, BN, WINDOW_SPAN)
     for blk in range(split, n_blocks, SPLITS):
-        if blk < W // BN:  # a block of the sliding window: from the request's ring, or the prefill's span
-            idx = blk * BN + j
-            valid = (idx < win_len) & (blk < win_blocks)
-            if WINDOW_SPAN:  # prefill: the span rows up to the query's own, row seq_slot[b]
-                span_row = ring_page - idx
-                k_nope, k_rope = _load_rows(win_ptr, span_row // W, span_row % W, W, valid, D, NOPE, FP8)
-            else:
-                k_nope, k_rope = _load_rows(win_ptr, ring_page + 0 * j, (t - idx + W) % W, W, valid, D, NOPE, FP8)
-        else:  # a block of the compressed-row list
-            c = (blk - W // BN) * BN + j
-            slot = tl.load(cslots_ptr + b * stride_cb + c, mask=c < clen, other=-1)
-            valid = slot >= 0
-            k_nope, k_rope = _load_rows(comp_ptr, slot // R_COMP, slot % R_COMP, R_COMP, valid, D, NOPE, FP8)
-        s = _dot(q_nope, tl.trans(k_nope), F32_DOT) + _dot(q_rope, tl.trans(k_rope), F32_DOT)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        slot = next_slot
+        next_slot = _block_slots(blk + SPLITS, b, t, ring_page, win_len, clen, cslots_ptr, stride_cb, W, BN,
+                                 WINDOW_SPAN)  # fmt: skip
+        in_window = blk < W // BN
+        keys = _load_keys(tl.where(in_window, win_ptr, comp_ptr), slot, tl.where(in_window, W, R_COMP), D, NOPE,
+                          FP8, F32_DOT)  # fmt: skip
+        s = tl.where(slot[None, :] >= 0, _dot(q, tl.trans(keys), F32_DOT) * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc_nope = acc_nope * alpha[:, None] + _dot(p, k_nope, F32_DOT)
-        acc_rope = acc_rope * alpha[:, None] + _dot(p, k_rope, F32_DOT)
+        acc = acc * alpha[:, None] + _dot(p, keys, F32_DOT)
         m = m_new
+    LOG2E: tl.constexpr = 1.4426950408889634
     if SPLITS == 1:  # the whole list in one program: merge the sink here and write the output directly
-        sink = tl.load(sink_ptr + heads, mask=heads < H, other=0.0)
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
         top = tl.maximum(m, sink)
-        keep = tl.exp(m - top)
-        inv = keep / (denom * keep + tl.exp(sink - top))
-        out_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh
-        out_ty = out_ptr.dtype.element_ty
-        tl.store(out_row + dn[None, :], (acc_nope * inv[:, None]).to(out_ty), mask=head_ok & (dn < NOPE)[None, :])
-        tl.store(out_row + NOPE + dr[None, :], (acc_rope * inv[:, None]).to(out_ty), mask=head_ok)
+        keep = tl.exp2(m - top)
+        inv = keep / (denom * keep + tl.exp2(sink - top))
+        out_row = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_row, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         return
     has = denom > 0
     inv = 1.0 / tl.where(has, denom, 1.0)
-    lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+    lse = tl.where(has, (m + tl.log2(tl.where(has, denom, 1.0))) / LOG2E, float("-inf"))  # natural log
     part = (b * SPLITS + split) * H + heads
-    tl.store(o_part_ptr + part[:, None] * D + dn[None, :], acc_nope * inv[:, None], mask=head_ok & (dn < NOPE)[None, :])
-    tl.store(o_part_ptr + part[:, None] * D + NOPE + dr[None, :], acc_rope * inv[:, None], mask=head_ok)
-    tl.store(lse_part_ptr + part, lse, mask=heads < H)
+    tl.store(o_part_ptr + part[:, None] * D + d[None, :], acc * inv[:, None], mask=head_ok[:, None])
+    tl.store(lse_part_ptr + part, lse, mask=head_ok)
 
 
 @triton.jit
@@ -230,12 +230,16 @@ def sparse_decode_attention_triton(
     o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32) if splits > 1 else out
     lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32) if splits > 1 else sink
     fp8 = window_rows.dtype == torch.uint8
+    if fp8 and (rope_dim != 64 or dim & (dim - 1) or dim < 128):
+        raise ValueError(f"fp8 rows need a 64-wide RoPE part and a power-of-two head dim >= 128, not {rope_dim}/{dim}")
+    if not fp8 and dim & (dim - 1):
+        raise ValueError(f"head dim {dim} must be a power of two")
     block_n = min(block_n, window)  # window blocks must not straddle into the compressed rows
     if window % block_n:
         raise ValueError(f"window {window} must be a multiple of {block_n}")
     _sparse_attention_kernel[(batch, triton.cdiv(heads, head_block), splits)](
         q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part, sink, out,
-        q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale,
+        q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page, BN=block_n,
         SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), WINDOW_SPAN=window_span,
         num_warps=num_warps, num_stages=num_stages,
