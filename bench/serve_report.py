@@ -121,7 +121,8 @@ def boot_facts(events: list[dict]) -> dict:
     """Seconds per boot stage (graph_capture includes the eager shapes' warm-up, also given alone), and the kernel
     variants made after boot (each delays the first request that needs it)."""
     stages = {e["stage"]: e for e in events if e["event"] == "boot_stage"}
-    late = [e["kernel"].split("[")[0] for e in events if e["event"] == "kernel_compiled_after_boot"]
+    late = [{k: e[k] for k in ("kernel", "num_warps", "num_stages", "constants", "aligned") if k in e}
+            for e in events if e["event"] == "kernel_compiled_after_boot"]  # fmt: skip
     return {"boot_seconds": {name: stage["seconds"] for name, stage in stages.items()},
             "warmup_seconds": stages.get("graph_capture", {}).get("warmup_seconds"),
             "kernels_compiled_after_boot": late}  # fmt: skip
@@ -179,7 +180,7 @@ def main() -> None:
              "| experts per MoE layer (decode step mean) | step roofline ms | roofline fraction |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, context_length in PROFILES.items():
-        log_path = args.out / f"engine-{name}.log"
+        log_path = args.out / f"serve-engine-{name}.log"
         engine = Engine(str(model_dir), [*ENGINE_FLAGS, "--context-length", str(context_length)], log_path)
         try:
             profile: dict = {"load": {}}

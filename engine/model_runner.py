@@ -427,7 +427,13 @@ def _log_compiles_from_now() -> None:
     on-disk cache), which delays the step that needs it, is logged with its specialisation."""
 
     def made(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        log.warning("kernel_compiled_after_boot", kernel=repr)
+        # what tells this variant from the warm-up's: the constexpr and specialised values, and which arguments were
+        # taken as 16-divisible (pointer alignment, strides)
+        names = fn.jit_function.arg_names
+        aligned = sorted(names[i[0]] for i, attrs in compile["configs"][0].items() if ["tt.divisibility", 16] in attrs)
+        constants = {names[i[0]] if isinstance(i, tuple) else i: v for i, v in compile["constants"].items()}
+        log.warning("kernel_compiled_after_boot", kernel=fn.name, num_warps=compile["num_warps"],
+                    num_stages=compile["num_stages"], constants=str(constants), aligned=",".join(aligned))  # fmt: skip
 
     triton.knobs.runtime.jit_post_compile_hook = made
 
