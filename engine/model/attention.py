@@ -259,7 +259,9 @@ class Attention(nn.Module):
         fp32 per c4 row of the request, hold at most PREFILL_BUDGET elements; no block waits for the device.
         Launch shapes depend only on the power of two above a block's size, so the kernels compile few variants and
         the boot warm-up makes them all: blocks of a multiple of 16 queries (per-query slices stay 64-byte aligned),
-        splits from that power of two, logits rows of whole pages, top-k lists of k columns, an aligned table."""
+        splits from that power of two, logits rows of whole pages, top-k lists of k columns, an aligned table, and
+        rows shared by all queries with stride 0 also for one query (`expand` keeps a single row's own stride, which
+        Triton specialises: the H200 compiled four variants after boot for one-token chunks)."""
         cache, window, ring = self.kv, self.window, self.kv.ring
         positions = positions.int()
         if ring.fp8:  # the ring's encoder: it rounds as the ring's rows and the reference's simulation do
@@ -287,7 +289,7 @@ class Attention(nn.Module):
             m = len(positions[b])
             width = triton.next_power_of_2(m)
             if self.indexer is not None:
-                tables = table[None].expand(m, -1)
+                tables = table.as_strided((m, len(table)), (0, 1))
                 iq, iw = proj["query"]
                 indexer_logits_triton(iq[b], iw[b], cache.index.values, cache.index.scales, tables, visible[b],
                                       logits[:m], splits=splits_for(width, q.device, waves=5))  # fmt: skip
@@ -295,7 +297,7 @@ class Attention(nn.Module):
                 topk_slots_triton(logits[:m], visible[b], tables, k, picked,
                                   splits=splits_for(width, q.device, waves=1, cap=128))  # fmt: skip
             else:
-                picked = lists.expand(m, -1)
+                picked = lists.as_strided((m, lists.shape[1]), (0, 1))
             splits = splits_for(width, q.device, waves=1, cap=16)
             sparse_decode_attention_triton(q[b], self.attn_sink, self.scale, span, own_row[b], positions[b], comp_rows,
                                            rows_per_page, picked, lengths[b], out[b], window, self.rotary.rope_dim,
