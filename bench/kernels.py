@@ -21,6 +21,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.plots import draw  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from engine.cache.kv_cache import IndexKeys, MainRows  # noqa: E402
 from engine.kernels.indexer import indexer_logits_triton  # noqa: E402
@@ -356,8 +357,10 @@ def main() -> None:
     (args.out / "kernels.json").write_text(json.dumps(results, indent=2) + "\n")
     header = [f"# Sparse-attention decode kernels — {results['date']}, {gpu}, commit {results['commit']}",
               f"torch {torch.__version__}, triton {triton.__version__}. Command: `python bench/kernels.py --out DIR`.",
-              ""]  # fmt: skip
+              "", "![indexer + top-k per layer and step: the old fallback at 8K, 128K, 1M configured vs ours]"
+              "(kernels.svg)", ""]  # fmt: skip
     (args.out / "kernels.md").write_text("\n".join(header + lines) + "\n")
+    draw(args.out, only="kernels.json")
 
 
 if __name__ == "__main__":

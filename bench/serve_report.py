@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import copy_bandwidth  # noqa: E402
+from bench.plots import draw  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from bench.serve import Engine, parse_metrics, run  # noqa: E402
 from bench.shapes import COMPRESS_RATIOS, write_model_dir  # noqa: E402
@@ -271,8 +272,10 @@ def main() -> None:
         f"serve.json, full lines in the engine logs): {boot}.",
     ]  # fmt: skip
     header = [f"# Serving — {results['date']}, {gpu}, commit {results['commit']}",
-              "Command: `python bench/serve_report.py --out DIR` (engine logs beside the results).", ""]  # fmt: skip
+              "Command: `python bench/serve_report.py --out DIR` (engine logs beside the results).", "",
+              "![decode tok/s of the 8K and 1M profiles at concurrency 1, 16, 64](serve.svg)", ""]  # fmt: skip
     (args.out / "serve.md").write_text("\n".join(header + lines) + "\n")
+    draw(args.out, only="serve.json")
     print("\n".join(lines[-8:]))
 
 
