@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import triton
 
 from engine.cache.kv_cache import LayerKV
 from engine.cache.pool import PagePool, PageTable
@@ -71,6 +72,28 @@ def test_kernel_prefill_matches_the_torch_prefill(ratio, monkeypatch):
             m.setattr(attention, "use_triton", lambda device: False)
             want = _chunk(attn, pool, torch_seq, x[a:b])
         _compare(got, want, f"ratio {ratio}, tokens {a}..{b}")
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_a_one_token_chunk_later_in_a_prompt_needs_no_new_kernel_variant(ratio):
+    """The runner's boot warm-up runs a one-token chunk at position 0. A one-token chunk later in a prompt (the rest
+    of a prompt cut at the step budget) must launch the same kernel variants: rows that every query of a block shares
+    (page table, c128 and window lists) have stride 0 at any block size. With `expand`, one row kept its own stride,
+    Triton specialised on it, and the H200 compiled 4 variants after boot for such chunks."""
+    attn, pool = _layer(ratio, 1024, 2)
+    x = torch.randn(301, ARGS.hidden_size, device=DEV, generator=torch.Generator(DEV).manual_seed(3)).bfloat16()
+    later = _request(attn, 1)
+    _chunk(attn, pool, _request(attn, 0), x[:1])  # the warm-up's first chunk
+    _chunk(attn, pool, later, x[:300])  # a prompt's first part: variants of a 300-query block
+    torch.cuda.synchronize()
+    made, previous = [], triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: made.append(fn.name)
+    try:
+        _chunk(attn, pool, later, x[300:])
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert made == [], f"compiled for a one-token chunk at position 300: {made}"
 
 
 def _cache_tensors(attn: Attention) -> list[torch.Tensor]:
