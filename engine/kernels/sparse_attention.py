@@ -22,7 +22,7 @@ import triton.language as tl
 from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
 from engine.kernels.dispatch import interpreting, splits_for, use_triton, wide
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units: the softmax is exp2
 BLOCK_N = 64  # launch defaults from `bench/kernels.py --sweep` on an H200 (bench/results/kernels.md)
 
 
@@ -183,7 +183,6 @@ def _sparse_attention_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p, keys, F32_DOT)
         m = m_new
-    LOG2E: tl.constexpr = 1.4426950408889634
     if SPLITS == 1:  # the whole list in one program: merge the sink here and write the output directly
         sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0) * LOG2E
         top = tl.maximum(m, sink)
@@ -239,7 +238,7 @@ def sparse_decode_attention_triton(
         raise ValueError(f"window {window} must be a multiple of {block_n}")
     _sparse_attention_kernel[(batch, triton.cdiv(heads, head_block), splits)](
         q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part, sink, out,
-        q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale * LOG2E.value,
         H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page, BN=block_n,
         SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), WINDOW_SPAN=window_span,
         num_warps=num_warps, num_stages=num_stages,
