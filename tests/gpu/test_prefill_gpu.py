@@ -39,15 +39,27 @@ def _request(attn: Attention, slot: int) -> SequenceState:
 
 def _chunk(attn: Attention, pool: PagePool, seq: SequenceState, x: torch.Tensor) -> torch.Tensor:
     """The layer's forward over the request's next len(x) tokens, as the model runs a prefill chunk."""
-    start, n = seq.num_tokens, len(x)
-    seq.table.grow(pool, start + n)
-    batch = ForwardBatch(torch.zeros(n, dtype=torch.long, device=DEV), torch.arange(start, start + n, device=DEV),
-                         [seq], [n])  # fmt: skip
-    batch.set_tables(torch.tensor([seq.table.pages], dtype=torch.int32, device=DEV),
-                     torch.tensor([seq.slot], dtype=torch.int32, device=DEV))  # fmt: skip
+    return _step(attn, pool, [(seq, x)])
+
+
+def _step(attn: Attention, pool: PagePool, chunks: list[tuple[SequenceState, torch.Tensor]]) -> torch.Tensor:
+    """The layer's forward over one step of chunks, each request's next len(x) tokens, with the batch's page table
+    as the runner makes it (a row per request, as wide as the longest)."""
+    positions = []
+    for seq, x in chunks:
+        seq.table.grow(pool, seq.num_tokens + len(x))
+        positions += range(seq.num_tokens, seq.num_tokens + len(x))
+    lens, states = [len(x) for _, x in chunks], [seq for seq, _ in chunks]
+    batch = ForwardBatch(torch.zeros(sum(lens), dtype=torch.long, device=DEV), torch.tensor(positions, device=DEV),
+                         states, lens)  # fmt: skip
+    tables = torch.zeros(len(states), max(len(seq.table.pages) for seq in states), dtype=torch.int32)
+    for row, seq in zip(tables, states, strict=True):
+        row[: len(seq.table.pages)] = torch.tensor(seq.table.pages)
+    batch.set_tables(tables.to(DEV), torch.tensor([seq.slot for seq in states], dtype=torch.int32, device=DEV))
     with torch.inference_mode():
-        out = attn(x, batch)
-    seq.num_tokens += n
+        out = attn(torch.cat([x for _, x in chunks]), batch)
+    for seq, x in chunks:
+        seq.num_tokens += len(x)
     return out
 
 
@@ -76,20 +88,23 @@ def test_kernel_prefill_matches_the_torch_prefill(ratio, monkeypatch):
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_a_one_token_chunk_later_in_a_prompt_needs_no_new_kernel_variant(ratio):
-    """The runner's boot warm-up runs a one-token chunk at position 0. A one-token chunk later in a prompt (the rest
-    of a prompt cut at the step budget) must launch the same kernel variants: rows that every query of a block shares
-    (page table, c128 and window lists) have stride 0 at any block size. With `expand`, one row kept its own stride,
-    Triton specialised on it, and the H200 compiled 4 variants after boot for such chunks."""
+    """A one-token chunk of a prompt (its rest, cut at the step budget) beside another request's chunk runs the
+    prefill path as a one-query block. The runner's boot warm-up runs a prompt in chunks of 1, 2, ... tokens, so
+    blocks of two queries with context before them, never one: the one-query block must launch their kernel
+    variants. Rows that every query of a block shares (page table, c128 and window lists) have stride 0 at any block
+    size; with `expand`, one row kept its own stride, Triton specialised on it, and the H200 compiled 4 variants
+    after boot for such chunks. (Alone in a step, a one-token chunk is a decode row, replayed in the CUDA graphs.)"""
     attn, pool = _layer(ratio, 1024, 2)
     x = torch.randn(301, ARGS.hidden_size, device=DEV, generator=torch.Generator(DEV).manual_seed(3)).bfloat16()
-    later = _request(attn, 1)
-    _chunk(attn, pool, _request(attn, 0), x[:1])  # the warm-up's first chunk
-    _chunk(attn, pool, later, x[:300])  # a prompt's first part: variants of a 300-query block
+    warm, later = _request(attn, 0), _request(attn, 1)
+    _chunk(attn, pool, warm, x[:1])  # the warm-up's first chunks: one token, then two after it
+    _chunk(attn, pool, warm, x[1:3])
+    _chunk(attn, pool, later, x[:300])  # a prompt's first part, cut at the budget
     torch.cuda.synchronize()
     made, previous = [], triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: made.append(fn.name)
     try:
-        _chunk(attn, pool, later, x[300:])
+        _step(attn, pool, [(later, x[300:]), (warm, x[3:5])])
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous
