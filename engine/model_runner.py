@@ -80,6 +80,15 @@ def under_wsl() -> bool:
         return False
 
 
+def warm_up_chunks(budget: int, room: int) -> list[int]:
+    """The chunk sizes of the boot warm-up's prompt: 1, 2, ..., WARM_EVERY_SIZE_UP_TO tokens, then 2^j - 1 and 2^j,
+    then budget - 1 and budget (the step's token budget), none over room."""
+    sizes = list(range(1, min(budget, WARM_EVERY_SIZE_UP_TO) + 1))
+    for n in (*(1 << j for j in range(WARM_EVERY_SIZE_UP_TO.bit_length(), budget.bit_length())), budget):
+        sizes += [m for m in (n - 1, n) if m > sizes[-1]]
+    return [n for n in sizes if n <= room]
+
+
 class ExpertCounts:
     """Per step kind (decode: one token per request; prefill: any step with prompt tokens) and MoE layer: the steps
     run, and the distinct routed experts the layer's tokens picked, summed over those steps (the expert weights a
@@ -278,12 +287,8 @@ class ModelRunner:
         a step samples. A chunk that would pass the context length or the pool starts the prompt over (one that
         alone would is no step's). Returns the chunk sizes run."""
         config = self.config
-        top = config.max_num_batched_tokens
-        sizes = list(range(1, min(top, WARM_EVERY_SIZE_UP_TO) + 1))
-        for n in (*(1 << j for j in range(WARM_EVERY_SIZE_UP_TO.bit_length(), top.bit_length())), top):
-            sizes += [m for m in (n - 1, n) if m > sizes[-1]]
         room = min(self.context_length, self.pool.capacity_tokens)
-        sizes = [n for n in sizes if n <= room]
+        sizes = warm_up_chunks(config.max_num_batched_tokens, room)
         state, position = self.model.new_state(), 0
         for n in sizes:
             if position + n > room:
@@ -422,18 +427,22 @@ class LaunchedStep:
         return self._results
 
 
+def kernel_variant(fn, compile: dict) -> dict:
+    """What tells a compiled kernel variant from another (a `jit_post_compile_hook`'s fn and compile): the constexpr
+    and specialised values, and which arguments were taken as 16-divisible (pointer alignment, strides)."""
+    names = fn.jit_function.arg_names
+    aligned = sorted(names[i[0]] for i, attrs in compile["configs"][0].items() if ["tt.divisibility", 16] in attrs)
+    constants = {names[i[0]] if isinstance(i, tuple) else i: v for i, v in compile["constants"].items()}
+    return dict(kernel=fn.name, num_warps=compile["num_warps"], num_stages=compile["num_stages"],
+                constants=str(constants), aligned=",".join(aligned))  # fmt: skip
+
+
 def _log_compiles_from_now() -> None:
     """Boot has made the kernel variants steps need; from now on each one made (compiled, or loaded from Triton's
     on-disk cache), which delays the step that needs it, is logged with its specialisation."""
 
-    def made(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> None:
-        # what tells this variant from the warm-up's: the constexpr and specialised values, and which arguments were
-        # taken as 16-divisible (pointer alignment, strides)
-        names = fn.jit_function.arg_names
-        aligned = sorted(names[i[0]] for i, attrs in compile["configs"][0].items() if ["tt.divisibility", 16] in attrs)
-        constants = {names[i[0]] if isinstance(i, tuple) else i: v for i, v in compile["constants"].items()}
-        log.warning("kernel_compiled_after_boot", kernel=fn.name, num_warps=compile["num_warps"],
-                    num_stages=compile["num_stages"], constants=str(constants), aligned=",".join(aligned))  # fmt: skip
+    def made(*, fn, compile, **_) -> None:
+        log.warning("kernel_compiled_after_boot", **kernel_variant(fn, compile))
 
     triton.knobs.runtime.jit_post_compile_hook = made
 

@@ -24,7 +24,9 @@ from engine.kernels.dispatch import interpreting, splits_for, use_triton, wide
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units: the softmax is exp2
 BLOCK_N = 64  # launch defaults from `bench/kernels.py --sweep` on an H200 (bench/results/kernels.md)
-NUM_STAGES = 3  # copies two blocks ahead: 47.1 vs 47.9 us with 2 on the H200 bench case (208 KB shared memory)
+# fp8 rows: copies two blocks ahead (47.1 vs 47.9 us with 2 on the H200 bench case; 208 KB of shared memory); bf16
+# rows' copies are twice the size, and 3 stages would need 256 KB
+NUM_STAGES = {True: 3, False: 2}
 
 
 def attend_with_sink(
@@ -223,7 +225,7 @@ def _combine_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stri
 def sparse_decode_attention_triton(
     q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
     window, rope_dim, window_span: bool = False, splits: int | None = None, head_block: int | None = None,
-    block_n: int = BLOCK_N, num_warps: int = 8, num_stages: int = NUM_STAGES,
+    block_n: int = BLOCK_N, num_warps: int = 8, num_stages: int | None = None,
 ):  # fmt: skip
     batch, heads, dim = q.shape
     head_block = head_block or min(64, max(16, triton.next_power_of_2(heads)))
@@ -231,6 +233,7 @@ def sparse_decode_attention_triton(
     o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32) if splits > 1 else out
     lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32) if splits > 1 else sink
     fp8 = window_rows.dtype == torch.uint8
+    num_stages = num_stages or NUM_STAGES[fp8]
     if fp8 and (rope_dim != 64 or dim & (dim - 1) or dim < 128):
         raise ValueError(f"fp8 rows need a 64-wide RoPE part and a power-of-two head dim >= 128, not {rope_dim}/{dim}")
     if not fp8 and dim & (dim - 1):

@@ -17,6 +17,7 @@ from engine.cache.pool import PagePool, PageTable
 from engine.model import attention
 from engine.model.attention import Attention
 from engine.model.state import ForwardBatch, SequenceState
+from engine.model_runner import kernel_variant, warm_up_chunks
 from tests.gpu.flash_layers import ARGS, flash_attention
 
 pytestmark = pytest.mark.gpu
@@ -88,27 +89,33 @@ def test_kernel_prefill_matches_the_torch_prefill(ratio, monkeypatch):
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_a_one_token_chunk_later_in_a_prompt_needs_no_new_kernel_variant(ratio):
-    """A one-token chunk of a prompt (its rest, cut at the step budget) beside another request's chunk runs the
-    prefill path as a one-query block. The runner's boot warm-up runs a prompt in chunks of 1, 2, ... tokens, so
-    blocks of two queries with context before them, never one: the one-query block must launch their kernel
-    variants. Rows that every query of a block shares (page table, c128 and window lists) have stride 0 at any block
-    size; with `expand`, one row kept its own stride, Triton specialised on it, and the H200 compiled 4 variants
-    after boot for such chunks. (Alone in a step, a one-token chunk is a decode row, replayed in the CUDA graphs.)"""
-    attn, pool = _layer(ratio, 1024, 2)
-    x = torch.randn(301, ARGS.hidden_size, device=DEV, generator=torch.Generator(DEV).manual_seed(3)).bfloat16()
-    warm, later = _request(attn, 0), _request(attn, 1)
-    _chunk(attn, pool, warm, x[:1])  # the warm-up's first chunks: one token, then two after it
-    _chunk(attn, pool, warm, x[1:3])
-    _chunk(attn, pool, later, x[:300])  # a prompt's first part, cut at the budget
+    """After the runner's boot warm-up (its prompt in chunks of 1, 2, ..., 64, 127, 128, ... tokens), a step of two
+    requests' chunks launches no new kernel variant: one's last token of a prompt cut at the budget (a one-query
+    block; alone in a step it would be a decode row, replayed in the graphs) and the other's next two tokens, whose
+    per-request slices (positions, projections) start mid-batch. Rows that every query of a block shares (page table,
+    c128 and window lists) have stride 0 at any block size: with `expand`, one row kept its own stride, Triton
+    specialised on it, and the H200 compiled 4 variants after boot for such chunks."""
+    budget, room = 512, 2048
+    attn, pool = _layer(ratio, room, 3)
+    x = torch.randn(room, ARGS.hidden_size, device=DEV, generator=torch.Generator(DEV).manual_seed(3)).bfloat16()
+    warm = _request(attn, 0)
+    for n in warm_up_chunks(budget, room):
+        if warm.num_tokens + n > room:  # the prompt starts over, as the runner's does
+            warm.table.release(pool)
+            warm = _request(attn, 0)
+        _chunk(attn, pool, warm, x[warm.num_tokens : warm.num_tokens + n])
+    later, other = _request(attn, 1), _request(attn, 2)
+    _chunk(attn, pool, later, x[:300])  # a prompt's first part, cut at the step budget
+    _chunk(attn, pool, other, x[:5])
     torch.cuda.synchronize()
     made, previous = [], triton.knobs.runtime.jit_post_compile_hook
-    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, **_: made.append(fn.name)
+    triton.knobs.runtime.jit_post_compile_hook = lambda *, fn, compile, **_: made.append(kernel_variant(fn, compile))
     try:
-        _step(attn, pool, [(later, x[300:]), (warm, x[3:5])])
+        _step(attn, pool, [(later, x[300:301]), (other, x[5:7])])
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous
-    assert made == [], f"compiled for a one-token chunk at position 300: {made}"
+    assert made == [], f"compiled after the warm-up: {made}"
 
 
 def _cache_tensors(attn: Attention) -> list[torch.Tensor]:
