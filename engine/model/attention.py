@@ -257,7 +257,8 @@ class Attention(nn.Module):
         (in the ring's row format, so FP8 rows hold what the ring holds), then the indexer's top-k of its c4 rows, or
         the c128 rows it sees (one list, a stride-0 row per query). c4 queries go in blocks whose index logits, one
         fp32 per c4 row of the request, hold at most PREFILL_BUDGET elements; no block waits for the device.
-        Launch shapes depend only on the power of two above a block's size, so the kernels compile few variants and
+        Launch shapes depend only on the power of two above a block's size (at least 2: the warm-up's one-token
+        chunk is a decode row, so it never runs a one-query block), so the kernels compile few variants and
         the boot warm-up makes them all: blocks of a multiple of 16 queries (per-query slices stay 64-byte aligned),
         splits from that power of two, logits rows of whole pages, top-k lists of k columns, an aligned table, and
         rows shared by all queries with stride 0 also for one query (`expand` keeps a single row's own stride, which
@@ -287,7 +288,7 @@ class Attention(nn.Module):
         for a in range(0, len(q), step):
             b = slice(a, a + step)
             m = len(positions[b])
-            width = triton.next_power_of_2(m)
+            width = max(2, triton.next_power_of_2(m))  # a one-query block launches as a two-query one
             if self.indexer is not None:
                 tables = table.as_strided((m, len(table)), (0, 1))
                 iq, iw = proj["query"]
