@@ -273,25 +273,25 @@ def sweep(gen) -> tuple[dict, list[str]]:
     att.set_length(131072)
     att.slots.copy_(torch.randint(0, 64 * 512 * C4_ROWS, (64, TOPK), device=DEV, generator=gen).int())
     rows = []
-    configs = [(hb, nw, bn, sp) for hb, nw in ((64, 8), (32, 4), (32, 8), (16, 4)) for bn in (16, 32, 64)
-               for sp in (1, 2, 3, 5)]  # fmt: skip
-    for head_block, warps, block_n, splits in configs:
+    configs = [((hb, bn, nw, ns), sp) for hb, nw in ((64, 8), (32, 4), (32, 8), (16, 4)) for bn in (16, 32, 64)
+               for ns in (1, 2, 3) for sp in (1, 2, 3, 5)]  # fmt: skip
+    for launch, splits in configs:
 
-        def run(hb=head_block, bn=block_n, nw=warps, sp=splits):
+        def run(launch=launch, sp=splits):
             sparse_decode_attention_triton(
                 att.q, att.sink, HEAD_DIM**-0.5, att.ring.storage, att.seq_slot, att.positions, att.comp.storage,
-                C4_ROWS, att.slots, att.comp_len, att.out, WINDOW, ROPE,
-                splits=sp, head_block=hb, block_n=bn, num_warps=nw)  # fmt: skip
+                C4_ROWS, att.slots, att.comp_len, att.out, WINDOW, ROPE, splits=sp, launch=launch)  # fmt: skip
 
         try:
             us = graph_us(run, reps=20)
         except Exception as exc:  # a configuration that does not compile (registers, shared memory)
-            lines.append(f"attention hb={head_block} bn={block_n} w={warps} sp={splits}: {exc!s:.80}")
+            lines.append(f"attention launch={launch} splits={splits}: {exc!s:.80}")
             continue
-        rows.append((us, head_block, block_n, warps, splits))
+        rows.append((us, *launch, splits))
     rows.sort()
-    results["attention_sweep"] = [dict(us=u, head_block=h, block_n=n, warps=w, splits=sp) for u, h, n, w, sp in rows]
-    lines += [f"attention hb={h} bn={n} w={w} splits={sp}: {u:.1f} us" for u, h, n, w, sp in rows[:8]]
+    results["attention_sweep"] = [dict(us=u, head_block=h, block_n=n, warps=w, stages=st, splits=sp)
+                                  for u, h, n, w, st, sp in rows]  # fmt: skip
+    lines += [f"attention hb={h} bn={n} w={w} stages={st} splits={sp}: {u:.1f} us" for u, h, n, w, st, sp in rows[:8]]
     for batch in (16, 64):
         pages = batch * 512
         step = DecodeStep(batch, 131072, pages, "fp8_e4m3", gen)

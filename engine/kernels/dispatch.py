@@ -39,3 +39,9 @@ def splits_for(batch: int, device: torch.device, waves: int = 4, cap: int = 1024
         return 4
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(cap, waves * sms // batch))
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory a block may use on `device` (227 KB on an H100/H200, 99 KB on Ada and consumer
+    Blackwell GPUs)."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin

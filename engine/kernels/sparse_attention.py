@@ -15,18 +15,36 @@ and the chunk's own, since the ring keeps only the last `window` positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
-from engine.kernels.dispatch import interpreting, splits_for, use_triton, wide
+from engine.kernels.dispatch import interpreting, shared_memory_limit, splits_for, use_triton, wide
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units: the softmax is exp2
-BLOCK_N = 64  # launch defaults from `bench/kernels.py --sweep` on an H200 (bench/results/kernels.md)
-# fp8 rows: copies two blocks ahead (47.1 vs 47.9 us with 2 on the H200 bench case; 208 KB of shared memory); bf16
-# rows' copies are twice the size, and 3 stages would need 256 KB
-NUM_STAGES = {True: 3, False: 2}
+
+Launch = tuple[int, int, int, int]  # head_block, block_n, num_warps, num_stages
+# Launches for fp8 and bf16 rows, fastest first; a GPU gets the first whose kernel fits its shared memory a block.
+# The first of each is `bench/kernels.py --sweep`'s choice on an H200 (227 KB a block; fp8 rows copy two blocks
+# ahead: 208 KB, 47.1 vs 47.9 us with one; bf16 rows' copies are twice the size, and 3 stages would need 256 KB).
+# Ada and consumer Blackwell GPUs (sm_89, sm_120) have 99 KB, where the first would need 272 KB / 136 KB; the last
+# fit there (tests/engine/test_attention_shared_memory.py compiles them for those targets).
+LAUNCHES: dict[bool, tuple[Launch, ...]] = {
+    True: ((64, 64, 8, 3), (16, 32, 4, 1)),
+    False: ((64, 64, 8, 2), (32, 32, 4, 2)),
+}
+_fitting: dict[tuple, Launch] = {}  # the launch each (device, row kind, shape) got
+
+
+def first_fitting(launches: tuple[Launch, ...], shared_bytes: Callable[[Launch], int], limit: int) -> Launch:
+    """The first of `launches` whose kernel needs at most `limit` bytes of shared memory."""
+    for launch in launches:
+        if shared_bytes(launch) <= limit:
+            return launch
+    raise RuntimeError(f"no sparse-attention launch fits the GPU's {limit} bytes of shared memory a block")
 
 
 def attend_with_sink(
@@ -224,30 +242,49 @@ def _combine_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stri
 
 def sparse_decode_attention_triton(
     q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots, comp_len, out,
-    window, rope_dim, window_span: bool = False, splits: int | None = None, head_block: int | None = None,
-    block_n: int = BLOCK_N, num_warps: int = 8, num_stages: int | None = None,
+    window, rope_dim, window_span: bool = False, splits: int | None = None, launch: Launch | None = None,
 ):  # fmt: skip
+    """`launch` overrides the pick from LAUNCHES (as `bench/kernels.py --sweep` does)."""
     batch, heads, dim = q.shape
-    head_block = head_block or min(64, max(16, triton.next_power_of_2(heads)))
-    splits = splits or splits_for(batch * triton.cdiv(heads, head_block), q.device, waves=1, cap=16)
-    o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32) if splits > 1 else out
-    lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32) if splits > 1 else sink
     fp8 = window_rows.dtype == torch.uint8
-    num_stages = num_stages or NUM_STAGES[fp8]
     if fp8 and (rope_dim != 64 or dim & (dim - 1) or dim < 128):
         raise ValueError(f"fp8 rows need a 64-wide RoPE part and a power-of-two head dim >= 128, not {rope_dim}/{dim}")
     if not fp8 and dim & (dim - 1):
         raise ValueError(f"head dim {dim} must be a power of two")
-    block_n = min(block_n, window)  # window blocks must not straddle into the compressed rows
-    if window % block_n:
-        raise ValueError(f"window {window} must be a multiple of {block_n}")
-    _sparse_attention_kernel[(batch, triton.cdiv(heads, head_block), splits)](
-        q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part, sink, out,
-        q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale * LOG2E.value,
-        H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page, BN=block_n,
-        SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(), WINDOW_SPAN=window_span,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    splits = splits or splits_for(batch * triton.cdiv(heads, 64), q.device, waves=1, cap=16)
+    o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32) if splits > 1 else out
+    lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32) if splits > 1 else sink
+
+    def run(launch: Launch, warmup: bool = False):
+        head_block, block_n, num_warps, num_stages = launch
+        head_block = min(head_block, max(16, triton.next_power_of_2(heads)))
+        block_n = min(block_n, window)  # window blocks must not straddle into the compressed rows
+        if window % block_n:
+            raise ValueError(f"window {window} must be a multiple of {block_n}")
+        grid = (batch, triton.cdiv(heads, head_block), splits)
+        args = (
+            q, window_rows, comp_rows, seq_slot, positions, comp_slots, comp_len, o_part, lse_part, sink, out,
+            q.stride(0), q.stride(1), comp_slots.stride(0), out.stride(0), out.stride(1), scale * LOG2E.value,
+        )  # fmt: skip
+        consts = dict(H=heads, HB=head_block, D=dim, NOPE=dim - rope_dim, W=window, R_COMP=comp_rows_per_page,
+                      BN=block_n, SPLITS=splits, FP8=fp8, F32_DOT=q.dtype == torch.float32 or interpreting(),
+                      WINDOW_SPAN=window_span, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+        if warmup:
+            return _sparse_attention_kernel.warmup(*args, grid=grid, **consts)
+        return _sparse_attention_kernel[grid](*args, **consts)
+
+    if launch is None:
+        key = (q.device, fp8, q.dtype, heads, dim, rope_dim, window, window_span, splits > 1)
+        if key not in _fitting and interpreting():  # the interpreter has no shared memory
+            _fitting[key] = LAUNCHES[fp8][0]
+        if key not in _fitting:  # compiles (no launch) until one fits; later calls launch at once
+
+            def shared_bytes(launch: Launch) -> int:
+                return run(launch, warmup=True).metadata.shared
+
+            _fitting[key] = first_fitting(LAUNCHES[fp8], shared_bytes, shared_memory_limit(q.device))
+        launch = _fitting[key]
+    run(launch)
     if splits > 1:
         _combine_kernel[(batch, heads)](
             o_part, lse_part, sink, out, out.stride(0), out.stride(1),

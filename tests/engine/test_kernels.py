@@ -9,7 +9,11 @@ import torch
 from engine.cache.kv_cache import IndexKeys, MainRows
 from engine.kernels.compressor import compressor_decode_step_reference, compressor_decode_step_triton
 from engine.kernels.indexer import indexer_logits_reference, indexer_logits_triton
-from engine.kernels.sparse_attention import sparse_decode_attention_reference, sparse_decode_attention_triton
+from engine.kernels.sparse_attention import (
+    LAUNCHES,
+    sparse_decode_attention_reference,
+    sparse_decode_attention_triton,
+)
 from engine.kernels.topk import topk_slots_reference, topk_slots_triton
 from engine.model.layers import rope_inv_freq
 
@@ -89,6 +93,29 @@ def test_sparse_decode_attention(kv_dtype, ratio_rows, splits):
     ref = sparse_decode_attention_reference(*args, torch.zeros(batch, heads, dim), window, rope)
     out = sparse_decode_attention_triton(*args, torch.zeros(batch, heads, dim), window, rope, splits=splits)
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)  # bf16 queries: the kernel's P@V runs in bf16
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_sparse_decode_attention_with_the_launch_for_99_kb_gpus(kv_dtype):
+    """The last of LAUNCHES (what Ada and consumer Blackwell GPUs get: smaller head and row blocks) over a 32-row
+    window, so that its 32-row blocks are whole."""
+    gen = torch.Generator().manual_seed(4)
+    batch, heads, dim, rope, window, pages, rows, k = 3, 8, 128, 64, 32, 20, 64, 40
+    ring = MainRows(batch, window, dim, rope, kv_dtype, "cpu")
+    ring.write(torch.arange(batch * window), torch.randn(batch * window, dim, generator=gen))
+    comp = MainRows(pages, rows, dim, rope, kv_dtype, "cpu")
+    comp.write(torch.arange(pages * rows), torch.randn(pages * rows, dim, generator=gen))
+    q = torch.randn(batch, heads, dim, generator=gen).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=gen)
+    seq_slot = torch.tensor([2, 0, 1], dtype=torch.int32)
+    positions = torch.tensor([3, 31, 500], dtype=torch.int32)
+    slots = torch.randint(0, pages * rows, (batch, k), generator=gen).int()
+    comp_len = torch.tensor([0, 33, 40], dtype=torch.int32)
+    args = (q, sink, 128**-0.5, ring.storage, seq_slot, positions, comp.storage, rows, slots, comp_len)
+    ref = sparse_decode_attention_reference(*args, torch.zeros(batch, heads, dim), window, rope)
+    launch = LAUNCHES[kv_dtype == "fp8_e4m3"][-1]
+    out = sparse_decode_attention_triton(*args, torch.zeros(batch, heads, dim), window, rope, splits=2, launch=launch)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,18 @@ import pytest
 import torch
 
 from engine.cache.kv_cache import IndexKeys, MainRows
+from engine.kernels import sparse_attention
 from engine.kernels.compressor import compressor_decode_step_reference, compressor_decode_step_triton
 from engine.kernels.indexer import indexer_logits_reference, indexer_logits_triton
 from engine.kernels.quant import fp4_simulate
-from engine.kernels.sparse_attention import sparse_decode_attention_reference, sparse_decode_attention_triton
+from engine.kernels.sparse_attention import (
+    LAUNCHES,
+    sparse_decode_attention_reference,
+    sparse_decode_attention_triton,
+)
 from engine.kernels.topk import topk_slots_reference, topk_slots_triton
 from engine.model.layers import rope_inv_freq
+from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -54,6 +60,37 @@ def test_indexer_topk_attention_at_flash_sizes(kv_dtype):
     ref = sparse_decode_attention_reference(*args, torch.zeros(batch, 64, 512, device=DEV), 128, 64)
     got = sparse_decode_attention_triton(*args, torch.zeros(batch, 64, 512, device=DEV), 128, 64)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_attention_on_a_gpu_with_99_kb_of_shared_memory(kv_dtype, monkeypatch):
+    """As Ada and consumer Blackwell GPUs run it: this GPU made to report their 99 KB a block, the launch picked is
+    LAUNCHES' last, and it gives the reference's result at flash sizes, eager and replayed in a CUDA graph."""
+    monkeypatch.setattr(sparse_attention, "shared_memory_limit", lambda device: 101376)
+    monkeypatch.setattr(sparse_attention, "_fitting", {})
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    batch, pages = 8, 64
+    ring = MainRows(batch, 128, 512, 64, kv_dtype, DEV)
+    ring.write(torch.arange(batch * 128, device=DEV), torch.randn(batch * 128, 512, device=DEV, generator=gen))
+    comp = MainRows(pages, 64, 512, 64, kv_dtype, DEV)
+    comp.write(torch.arange(pages * 64, device=DEV), torch.randn(pages * 64, 512, device=DEV, generator=gen))
+    q = torch.randn(batch, 64, 512, device=DEV, generator=gen).bfloat16()
+    sink = torch.randn(64, device=DEV, generator=gen)
+    positions = torch.tensor([0, 5, 127, 128, 700, 4000, 9000, 60000], device=DEV, dtype=torch.int32)
+    comp_len = (positions // 4).clamp(max=512)
+    slots = torch.randint(0, pages * 64, (batch, 512), device=DEV, generator=gen).int()
+    args = (q, sink, 512**-0.5, ring.storage, torch.arange(batch, device=DEV, dtype=torch.int32), positions,
+            comp.storage, 64, slots, comp_len)  # fmt: skip
+    ref = sparse_decode_attention_reference(*args, torch.zeros(batch, 64, 512, device=DEV), 128, 64)
+    out = torch.zeros(batch, 64, 512, device=DEV)
+    sparse_decode_attention_triton(*args, out, 128, 64)
+    assert list(sparse_attention._fitting.values()) == [LAUNCHES[kv_dtype == "fp8_e4m3"][-1]]
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    out.zero_()
+    graph, _ = capture(lambda: sparse_decode_attention_triton(*args, out, 128, 64))
+    out.zero_()
+    graph.replay()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("batch", [16, 64, 900, 2048])

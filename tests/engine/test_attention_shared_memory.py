@@ -1,0 +1,42 @@
+"""The sparse-attention launch each GPU gets (LAUNCHES): the first whose kernel fits the GPU's shared memory a block.
+Ada and consumer Blackwell GPUs (sm_89, sm_120) have 99 KB, where the H200's launch would need 272 KB; compiled here
+for those targets with Triton's own ptxas, their pick fits. Its results on a GPU: tests/gpu/test_kernels_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels.sparse_attention import LAUNCHES, first_fitting
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_first_launch_that_fits_is_picked():
+    sizes = {(64, 64, 8, 3): 214016, (16, 32, 4, 1): 81920}
+    assert first_fitting(LAUNCHES[True], sizes.__getitem__, 232448) == (64, 64, 8, 3)
+    assert first_fitting(LAUNCHES[True], sizes.__getitem__, 101376) == (16, 32, 4, 1)
+    with pytest.raises(RuntimeError, match="49152 bytes of shared memory"):
+        first_fitting(LAUNCHES[True], sizes.__getitem__, 49152)
+
+
+@pytest.mark.slow
+def test_gpus_with_99_kb_of_shared_memory_get_a_launch_that_fits():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for a GPU, do not interpret
+    done = subprocess.run([sys.executable, "-m", "tests.engine.attention_shared_memory"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    picks = json.loads(done.stdout)
+    for arch in (89, 120):
+        for rows in ("fp8", "bf16"):
+            got = picks[f"sm_{arch} {rows}"]
+            first = str(list(LAUNCHES[rows == "fp8"][0]))
+            assert got["shared"][first] > got["limit"], got  # the H200's launch would not start there
+            assert got["shared"][str(got["pick"])] <= got["limit"], got
+    for rows in ("fp8", "bf16"):
+        assert picks[f"sm_90 {rows}"]["pick"] == list(LAUNCHES[rows == "fp8"][0])
