@@ -30,8 +30,9 @@ Launch = tuple[int, int, int, int]  # head_block, block_n, num_warps, num_stages
 # Launches for fp8 and bf16 rows, fastest first; a GPU gets the first whose kernel fits its shared memory a block.
 # The first of each is `bench/kernels.py --sweep`'s choice on an H200 (227 KB a block; fp8 rows copy two blocks
 # ahead: 208 KB, 47.1 vs 47.9 us with one; bf16 rows' copies are twice the size, and 3 stages would need 256 KB).
-# Ada and consumer Blackwell GPUs (sm_89, sm_120) have 99 KB, where the first would need 272 KB / 136 KB; the last
-# fit there (tests/engine/test_attention_shared_memory.py compiles them for those targets).
+# Ada and consumer Blackwell GPUs (sm_89, sm_120) have 99 KB, where the first would need 273 KB / 136 KB: the last
+# fit there (80 KB / 66 KB; tests/engine/test_attention_shared_memory.py compiles them for those targets). On the
+# H200's bench case they take 106 / 54 us (fp8 / bf16); fp8 with 2 stages (101 us there) would need 100.25 KB.
 LAUNCHES: dict[bool, tuple[Launch, ...]] = {
     True: ((64, 64, 8, 3), (16, 32, 4, 1)),
     False: ((64, 64, 8, 2), (32, 32, 4, 2)),
