@@ -24,6 +24,16 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
+def _attention_inputs(kv_dtype: str, batch: int, pages: int, gen: torch.Generator):
+    """Random window rings (128 rows a request), c4 pages, queries and sinks at flash sizes."""
+    ring = MainRows(batch, 128, 512, 64, kv_dtype, DEV)
+    ring.write(torch.arange(batch * 128, device=DEV), torch.randn(batch * 128, 512, device=DEV, generator=gen))
+    comp = MainRows(pages, 64, 512, 64, kv_dtype, DEV)
+    comp.write(torch.arange(pages * 64, device=DEV), torch.randn(pages * 64, 512, device=DEV, generator=gen))
+    q = torch.randn(batch, 64, 512, device=DEV, generator=gen).bfloat16()
+    return ring, comp, q, torch.randn(64, device=DEV, generator=gen)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
 def test_indexer_topk_attention_at_flash_sizes(kv_dtype):
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -47,12 +57,7 @@ def test_indexer_topk_attention_at_flash_sizes(kv_dtype):
     slots = topk_slots_triton(out, c4_len, table, 512, torch.zeros(batch, 512, dtype=torch.int32, device=DEV))
     for a, b in zip(slots.tolist(), slots_ref.tolist(), strict=True):
         assert sorted(a) == sorted(b)
-    ring = MainRows(batch, 128, 512, 64, kv_dtype, DEV)
-    ring.write(torch.arange(batch * 128, device=DEV), torch.randn(batch * 128, 512, device=DEV, generator=gen))
-    comp = MainRows(pages, 64, 512, 64, kv_dtype, DEV)
-    comp.write(torch.arange(pages * 64, device=DEV), torch.randn(pages * 64, 512, device=DEV, generator=gen))
-    qa = torch.randn(batch, 64, 512, device=DEV, generator=gen).bfloat16()
-    sink = torch.randn(64, device=DEV, generator=gen)
+    ring, comp, qa, sink = _attention_inputs(kv_dtype, batch, pages, gen)
     positions = (c4_len * 4 + 3).int()
     comp_len = c4_len.clamp(max=512)
     args = (qa, sink, 512**-0.5, ring.storage, torch.arange(batch, device=DEV, dtype=torch.int32), positions,
@@ -70,12 +75,7 @@ def test_attention_on_a_gpu_with_99_kb_of_shared_memory(kv_dtype, monkeypatch):
     monkeypatch.setattr(sparse_attention, "_fitting", {})
     gen = torch.Generator(device=DEV).manual_seed(1)
     batch, pages = 8, 64
-    ring = MainRows(batch, 128, 512, 64, kv_dtype, DEV)
-    ring.write(torch.arange(batch * 128, device=DEV), torch.randn(batch * 128, 512, device=DEV, generator=gen))
-    comp = MainRows(pages, 64, 512, 64, kv_dtype, DEV)
-    comp.write(torch.arange(pages * 64, device=DEV), torch.randn(pages * 64, 512, device=DEV, generator=gen))
-    q = torch.randn(batch, 64, 512, device=DEV, generator=gen).bfloat16()
-    sink = torch.randn(64, device=DEV, generator=gen)
+    ring, comp, q, sink = _attention_inputs(kv_dtype, batch, pages, gen)
     positions = torch.tensor([0, 5, 127, 128, 700, 4000, 9000, 60000], device=DEV, dtype=torch.int32)
     comp_len = (positions // 4).clamp(max=512)
     slots = torch.randint(0, pages * 64, (batch, 512), device=DEV, generator=gen).int()
