@@ -72,6 +72,22 @@ def layout_kv_dtype(config: EngineConfig, device: torch.device) -> str:
     return "fp8_e4m3" if fp8 else "bfloat16"
 
 
+# Triton converts to and from FP8 e4m3 only from compute capability 8.9 (Ada, Hopper, Blackwell).
+FP8_COMPUTE_CAPABILITY = (8, 9)
+
+
+def check_fp8_support(gpu: str, capability: tuple[int, int], kv_dtype: str, quant_sim: bool) -> None:
+    """FP8 KV rows and quant_sim's FP8 rounding compile only for GPUs of compute capability 8.9 or newer: refuse an
+    older GPU at start, before the weights load, rather than at the first kernel's compile minutes later."""
+    needs = [what for what, on in (("kv_cache_dtype fp8_e4m3", kv_dtype == "fp8_e4m3"), ("quant_sim", quant_sim)) if on]
+    if needs and capability < FP8_COMPUTE_CAPABILITY:
+        raise RuntimeError(
+            f"{gpu} has compute capability {capability[0]}.{capability[1]}; {' and '.join(needs)} need 8.9 or newer "
+            "(Ada, Hopper, Blackwell), where Triton has FP8 e4m3. Without them (kv_cache_dtype bfloat16, quant_sim "
+            "off, which drops the official model's FP8/FP4 activation rounding) the engine is untested on this GPU"
+        )
+
+
 def under_wsl() -> bool:
     """WSL2's CUDA driver cannot pin much host memory, and pinned copies there fail or crawl."""
     try:
@@ -148,6 +164,9 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.pin_memory = self.device.type == "cuda" and not under_wsl()
+        if self.device.type == "cuda":
+            check_fp8_support(torch.cuda.get_device_name(self.device), torch.cuda.get_device_capability(self.device),
+                              layout_kv_dtype(config, self.device), config.quant_sim)  # fmt: skip
         torch.manual_seed(config.seed)
 
         started = time.monotonic()
