@@ -82,7 +82,8 @@ def check_fp8_support(gpu: str, capability: tuple[int, int], kv_dtype: str, quan
     needs = [what for what, on in (("kv_cache_dtype fp8_e4m3", kv_dtype == "fp8_e4m3"), ("quant_sim", quant_sim)) if on]
     if needs and capability < FP8_COMPUTE_CAPABILITY:
         raise RuntimeError(
-            f"{gpu} has compute capability {capability[0]}.{capability[1]}; {' and '.join(needs)} need 8.9 or newer "
+            f"{gpu} has compute capability {capability[0]}.{capability[1]}; {' and '.join(needs)} "
+            f"{'need' if len(needs) > 1 else 'needs'} 8.9 or newer "
             "(Ada, Hopper, Blackwell), where Triton has FP8 e4m3. Without them (kv_cache_dtype bfloat16, quant_sim "
             "off, which drops the official model's FP8/FP4 activation rounding) the engine is untested on this GPU"
         )
