@@ -2,7 +2,7 @@
 sm target with Triton's own ptxas (no GPU needed) and applies LAUNCHES' rule to the shared memory it reports.
 
 Run as a module with TRITON_INTERPRET unset (a compile needs Triton's compiled kernels, not interpreted ones):
-`python -m tests.engine.attention_shared_memory` prints, for each target and row kind, each launch's shared memory and
+`python -m tests.engine.attention_shared_memory` prints, for each target and row kind, every launch's shared memory and
 the pick, as JSON."""
 
 from __future__ import annotations
@@ -43,13 +43,8 @@ def picks() -> dict:
     out = {}
     for arch, limit in TARGETS.items():
         for fp8 in (True, False):
-            shared: dict[Launch, int] = {}
-
-            def measured(launch: Launch, arch=arch, fp8=fp8, shared=shared) -> int:
-                shared[launch] = shared_bytes(launch, arch, fp8)
-                return shared[launch]
-
-            pick = first_fitting(LAUNCHES[fp8], measured, limit)
+            shared = {launch: shared_bytes(launch, arch, fp8) for launch in LAUNCHES[fp8]}
+            pick = first_fitting(LAUNCHES[fp8], shared.__getitem__, limit)
             out[f"sm_{arch} {'fp8' if fp8 else 'bf16'}"] = dict(
                 limit=limit, pick=list(pick), shared={str(list(k)): v for k, v in shared.items()}
             )
