@@ -24,8 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.plots import draw  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from engine.cache.kv_cache import IndexKeys, MainRows  # noqa: E402
+from engine.kernels.dispatch import splits_for  # noqa: E402
 from engine.kernels.indexer import indexer_logits_triton  # noqa: E402
-from engine.kernels.sparse_attention import sparse_decode_attention_triton  # noqa: E402
+from engine.kernels.sparse_attention import (  # noqa: E402
+    FEW_REQUESTS,
+    LAUNCHES,
+    default_splits,
+    sparse_decode_attention_triton,
+)
 from engine.kernels.topk import TopKWorkspace, topk_slots_triton  # noqa: E402
 
 HEADS, HEAD_DIM, ROPE, WINDOW = 64, 512, 64, 128
@@ -124,10 +130,11 @@ class DecodeStep:
                               self.c4_len, self.logits)  # fmt: skip
         topk_slots_triton(self.logits, self.c4_len, self.page_table, TOPK, self.slots, self.workspace)
 
-    def attend(self) -> None:
+    def attend(self, **launch) -> None:
+        """`launch`: splits= and launch= overrides (the wrapper picks them otherwise)."""
         sparse_decode_attention_triton(self.q, self.sink, HEAD_DIM**-0.5, self.ring.storage, self.seq_slot,
                                        self.positions, self.comp.storage, C4_ROWS, self.slots, self.comp_len,
-                                       self.out, WINDOW, ROPE)  # fmt: skip
+                                       self.out, WINDOW, ROPE, **launch)  # fmt: skip
 
     def step(self) -> None:
         self.index()
@@ -220,21 +227,44 @@ def bench_topk(gen) -> tuple[dict, list[str]]:
 
 
 def bench_attention(gen, bandwidth: float, tflops: float) -> tuple[dict, list[str]]:
-    """c4 layer: 128 window + 512 selected rows, FP8 KV, batch 64, against max(bytes/BW, FLOPs/peak)."""
-    att = DecodeStep(64, 131072, pool_pages=64 * 512, kv_dtype="fp8_e4m3", gen=gen)
-    att.set_length(131072)
-    att.slots.copy_(torch.randint(0, 64 * 512 * C4_ROWS, (64, TOPK), device=DEV, generator=gen).int())
+    """c4 layer: 128 window + 512 selected rows, FP8 KV, batch 64, against max(bytes/BW, FLOPs/peak); and at batch
+    1, 2, 4 (a lone agent's decode), the launch and split count picked for few requests against batch 64's launch
+    with as many programs a request as fill the GPU (capped at 16), which few requests got before."""
+    att = _attention_step(64, gen)
     us = graph_us(att.attend)
     rows = WINDOW + TOPK
     att_bytes = 64 * (rows * 584 + 2 * HEADS * HEAD_DIM * 2)
     att_flops = 64 * 2 * 2 * HEADS * rows * HEAD_DIM
     roofline = max(att_bytes / bandwidth, att_flops / (tflops * 1e12)) * 1e6
-    return dict(
+    results = dict(
         sparse_attention_us=us, sparse_attention_roofline_us=roofline, sparse_attention_roofline_fraction=roofline / us
-    ), [  # fmt: skip
+    )  # fmt: skip
+    lines = [
         f"## Sparse attention fp8, batch 64, 640 rows: {us:.1f} us; roofline {roofline:.1f} us = {roofline / us:.0%} "
-        "(target >= 35%)"
-    ]
+        "(target >= 35%)", "",
+        "| batch | picked launch, splits | us | batch 64's launch, GPU-filling splits | us | ratio |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    many = LAUNCHES[True, False][0]
+    for batch in (1, 2, 4):
+        att = _attention_step(batch, gen)
+        splits = default_splits(batch, HEADS, rows, DEV)
+        picked = LAUNCHES[True, batch <= FEW_REQUESTS][0]
+        filling = splits_for(batch, DEV, waves=1, cap=16)
+        ours = graph_us(att.attend)
+        theirs = graph_us(lambda a=att, sp=filling: a.attend(splits=sp, launch=many))
+        results[f"sparse_attention_b{batch}_us"] = ours
+        results[f"sparse_attention_b{batch}_batch64_launch_us"] = theirs
+        lines.append(f"| {batch} | {picked}, {splits} | {ours:.1f} | {many}, {filling} | {theirs:.1f} | "
+                     f"{theirs / ours:.2f} |")  # fmt: skip
+    return results, lines
+
+
+def _attention_step(batch: int, gen) -> DecodeStep:
+    att = DecodeStep(batch, 131072, pool_pages=max(batch, 8) * 512, kv_dtype="fp8_e4m3", gen=gen)
+    att.set_length(131072)
+    att.slots.copy_(torch.randint(0, max(batch, 8) * 512 * C4_ROWS, (batch, TOPK), device=DEV, generator=gen).int())
+    return att
 
 
 def check_graph_replay(gen) -> tuple[dict, list[str]]:
@@ -269,29 +299,23 @@ def check_graph_replay(gen) -> tuple[dict, list[str]]:
 def sweep(gen) -> tuple[dict, list[str]]:
     """Launch parameters of the three kernels at the target shapes; the defaults in engine/kernels come from here."""
     results, lines = {}, ["## Sweep"]
-    att = DecodeStep(64, 131072, pool_pages=64 * 512, kv_dtype="fp8_e4m3", gen=gen)
-    att.set_length(131072)
-    att.slots.copy_(torch.randint(0, 64 * 512 * C4_ROWS, (64, TOPK), device=DEV, generator=gen).int())
-    rows = []
-    configs = [((hb, bn, nw, ns), sp) for hb, nw in ((64, 8), (32, 4), (32, 8), (16, 4)) for bn in (16, 32, 64)
-               for ns in (1, 2, 3) for sp in (1, 2, 3, 5)]  # fmt: skip
-    for launch, splits in configs:
-
-        def run(launch=launch, sp=splits):
-            sparse_decode_attention_triton(
-                att.q, att.sink, HEAD_DIM**-0.5, att.ring.storage, att.seq_slot, att.positions, att.comp.storage,
-                C4_ROWS, att.slots, att.comp_len, att.out, WINDOW, ROPE, splits=sp, launch=launch)  # fmt: skip
-
-        try:
-            us = graph_us(run, reps=20)
-        except Exception as exc:  # a configuration that does not compile (registers, shared memory)
-            lines.append(f"attention launch={launch} splits={splits}: {exc!s:.80}")
-            continue
-        rows.append((us, *launch, splits))
-    rows.sort()
-    results["attention_sweep"] = [dict(us=u, head_block=h, block_n=n, warps=w, stages=st, splits=sp)
-                                  for u, h, n, w, st, sp in rows]  # fmt: skip
-    lines += [f"attention hb={h} bn={n} w={w} stages={st} splits={sp}: {u:.1f} us" for u, h, n, w, st, sp in rows[:8]]
+    for batch, split_counts in ((64, (1, 2, 3, 5)), (1, (5, 10, 16))):
+        att = _attention_step(batch, gen)
+        rows = []
+        configs = [((hb, bn, nw, ns), sp) for hb, nw in ((64, 8), (32, 4), (32, 8), (16, 4)) for bn in (16, 32, 64)
+                   for ns in (1, 2, 3) for sp in split_counts]  # fmt: skip
+        for launch, splits in configs:
+            try:
+                us = graph_us(lambda a=att, lh=launch, sp=splits: a.attend(splits=sp, launch=lh), reps=20)
+            except Exception as exc:  # a configuration that does not compile (registers, shared memory)
+                lines.append(f"attention batch {batch} launch={launch} splits={splits}: {exc!s:.80}")
+                continue
+            rows.append((us, *launch, splits))
+        rows.sort()
+        results[f"attention_b{batch}_sweep"] = [dict(us=u, head_block=h, block_n=n, warps=w, stages=st, splits=sp)
+                                                for u, h, n, w, st, sp in rows]  # fmt: skip
+        lines += [f"attention batch {batch} hb={h} bn={n} w={w} stages={st} splits={sp}: {u:.1f} us"
+                  for u, h, n, w, st, sp in rows[:8]]  # fmt: skip
     for batch in (16, 64):
         pages = batch * 512
         step = DecodeStep(batch, 131072, pages, "fp8_e4m3", gen)

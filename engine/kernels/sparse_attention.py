@@ -27,17 +27,21 @@ from engine.kernels.dispatch import interpreting, shared_memory_limit, splits_fo
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units: the softmax is exp2
 
 Launch = tuple[int, int, int, int]  # head_block, block_n, num_warps, num_stages
-# Launches for fp8 and bf16 rows, fastest first; a GPU gets the first whose kernel fits its shared memory a block.
-# The first of each is `bench/kernels.py --sweep`'s choice on an H200 (227 KB a block; fp8 rows copy two blocks
-# ahead: 208 KB, 47.1 vs 47.9 us with one; bf16 rows' copies are twice the size, and 3 stages would need 256 KB).
-# Ada and consumer Blackwell GPUs (sm_89, sm_120) have 99 KB, where the first would need 273 KB / 136 KB: the last
-# fit there (80 KB / 66 KB; tests/engine/test_attention_shared_memory.py compiles them for those targets). On the
-# H200's bench case they take 106 / 54 us (fp8 / bf16); fp8 with 2 stages (101 us there) would need 100.25 KB.
-LAUNCHES: dict[bool, tuple[Launch, ...]] = {
-    True: ((64, 64, 8, 3), (16, 32, 4, 1)),
-    False: ((64, 64, 8, 2), (32, 32, 4, 2)),
+FEW_REQUESTS = 2  # up to this batch, 16-head blocks: four times the programs, each with a quarter of the accumulator
+# Launches by (fp8 rows, few requests), fastest first; a GPU gets the first whose kernel fits its shared memory a
+# block. The first of each is `bench/kernels.py --sweep`'s choice on an H200 (227 KB a block). Many requests: fp8
+# rows copy two blocks ahead (208 KB; 47.1 vs 47.9 us with one), bf16 rows' copies are twice the size (3 stages would
+# need 256 KB). Batch 1: 13.9 / 12.0 us (fp8 / bf16) against 17.7 / 17.2 us with the 64-head launch. Ada and consumer
+# Blackwell GPUs (sm_89, sm_120) have 99 KB, where the 64-head launches would need 273 KB / 136 KB: the last fit
+# there (80 KB / 66 KB; tests/engine/test_attention_shared_memory.py compiles them for those targets). On the H200's
+# bench case they take 106 / 54 us (fp8 / bf16); fp8 with 2 stages (101 us there) would need 100.25 KB.
+LAUNCHES: dict[tuple[bool, bool], tuple[Launch, ...]] = {
+    (True, False): ((64, 64, 8, 3), (16, 32, 4, 1)),
+    (False, False): ((64, 64, 8, 2), (32, 32, 4, 2)),
+    (True, True): ((16, 64, 4, 2), (16, 32, 4, 1)),
+    (False, True): ((16, 64, 4, 2), (16, 32, 4, 2)),
 }
-_fitting: dict[tuple, Launch] = {}  # the launch each (device, row kind, shape) got
+_fitting: dict[tuple, Launch] = {}  # the launch each (device, row kind, shape, few requests or not) got
 
 
 def first_fitting(launches: tuple[Launch, ...], shared_bytes: Callable[[Launch], int], limit: int) -> Launch:
@@ -46,6 +50,14 @@ def first_fitting(launches: tuple[Launch, ...], shared_bytes: Callable[[Launch],
         if shared_bytes(launch) <= limit:
             return launch
     raise RuntimeError(f"no sparse-attention launch fits the GPU's {limit} bytes of shared memory a block")
+
+
+def default_splits(batch: int, heads: int, rows: int, device: torch.device) -> int:
+    """Programs per request for keys of at most `rows` rows: enough to fill the GPU once, never more than the request's
+    64-row blocks, and those spread evenly (10 blocks take as long over 8 programs as over 5, and 5 merge faster)."""
+    blocks = triton.cdiv(rows, 64)
+    most = splits_for(batch * triton.cdiv(heads, 64), device, waves=1, cap=min(16, blocks))
+    return triton.cdiv(blocks, triton.cdiv(blocks, most))
 
 
 def attend_with_sink(
@@ -252,7 +264,7 @@ def sparse_decode_attention_triton(
         raise ValueError(f"fp8 rows need a 64-wide RoPE part and a power-of-two head dim >= 128, not {rope_dim}/{dim}")
     if not fp8 and dim & (dim - 1):
         raise ValueError(f"head dim {dim} must be a power of two")
-    splits = splits or splits_for(batch * triton.cdiv(heads, 64), q.device, waves=1, cap=16)
+    splits = splits or default_splits(batch, heads, window + comp_slots.shape[1], q.device)
     o_part = torch.empty(batch, splits, heads, dim, device=q.device, dtype=torch.float32) if splits > 1 else out
     lse_part = torch.empty(batch, splits, heads, device=q.device, dtype=torch.float32) if splits > 1 else sink
 
@@ -275,15 +287,16 @@ def sparse_decode_attention_triton(
         return _sparse_attention_kernel[grid](*args, **consts)
 
     if launch is None:
-        key = (q.device, fp8, q.dtype, heads, dim, rope_dim, window, window_span, splits > 1)
+        launches = LAUNCHES[fp8, batch <= FEW_REQUESTS]
+        key = (q.device, fp8, q.dtype, heads, dim, rope_dim, window, window_span, splits > 1, batch <= FEW_REQUESTS)
         if key not in _fitting and interpreting():  # the interpreter has no shared memory
-            _fitting[key] = LAUNCHES[fp8][0]
+            _fitting[key] = launches[0]
         if key not in _fitting:  # compiles (no launch) until one fits; later calls launch at once
 
             def shared_bytes(launch: Launch) -> int:
                 return run(launch, warmup=True).metadata.shared
 
-            _fitting[key] = first_fitting(LAUNCHES[fp8], shared_bytes, shared_memory_limit(q.device))
+            _fitting[key] = first_fitting(launches, shared_bytes, shared_memory_limit(q.device))
         launch = _fitting[key]
     run(launch)
     if splits > 1:

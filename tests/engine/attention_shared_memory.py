@@ -40,12 +40,13 @@ def shared_bytes(launch: Launch, arch: int, fp8: bool) -> int:
 
 
 def picks() -> dict:
+    """Keyed "sm_89 fp8 many" (row kind, then many or few requests)."""
     out = {}
     for arch, limit in TARGETS.items():
-        for fp8 in (True, False):
-            shared = {launch: shared_bytes(launch, arch, fp8) for launch in LAUNCHES[fp8]}
-            pick = first_fitting(LAUNCHES[fp8], shared.__getitem__, limit)
-            out[f"sm_{arch} {'fp8' if fp8 else 'bf16'}"] = dict(
+        for (fp8, few), launches in LAUNCHES.items():
+            shared = {launch: shared_bytes(launch, arch, fp8) for launch in launches}
+            pick = first_fitting(launches, shared.__getitem__, limit)
+            out[f"sm_{arch} {'fp8' if fp8 else 'bf16'} {'few' if few else 'many'}"] = dict(
                 limit=limit, pick=list(pick), shared={str(list(k)): v for k, v in shared.items()}
             )
     return out

@@ -1,4 +1,5 @@
-"""The sparse-attention launch each GPU gets (LAUNCHES): the first whose kernel fits the GPU's shared memory a block.
+"""The sparse-attention launch each GPU gets (LAUNCHES, for many requests and for few): the first whose kernel fits
+the GPU's shared memory a block.
 Ada and consumer Blackwell GPUs (sm_89, sm_120) have 99 KB, where the H200's launch would need 272 KB; compiled here
 for those targets with Triton's own ptxas, their pick fits. Its results on a GPU: tests/gpu/test_kernels_gpu.py."""
 
@@ -19,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_first_launch_that_fits_is_picked():
     sizes = {(64, 64, 8, 3): 214016, (16, 32, 4, 1): 81920}
-    assert first_fitting(LAUNCHES[True], sizes.__getitem__, 232448) == (64, 64, 8, 3)
-    assert first_fitting(LAUNCHES[True], sizes.__getitem__, 101376) == (16, 32, 4, 1)
+    assert first_fitting(LAUNCHES[True, False], sizes.__getitem__, 232448) == (64, 64, 8, 3)
+    assert first_fitting(LAUNCHES[True, False], sizes.__getitem__, 101376) == (16, 32, 4, 1)
     with pytest.raises(RuntimeError, match="49152 bytes of shared memory"):
-        first_fitting(LAUNCHES[True], sizes.__getitem__, 49152)
+        first_fitting(LAUNCHES[True, False], sizes.__getitem__, 49152)
 
 
 @pytest.mark.slow
@@ -32,11 +33,11 @@ def test_gpus_with_99_kb_of_shared_memory_get_a_launch_that_fits():
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     picks = json.loads(done.stdout)
-    for arch in (89, 120):
-        for rows in ("fp8", "bf16"):
-            got = picks[f"sm_{arch} {rows}"]
-            first = str(list(LAUNCHES[rows == "fp8"][0]))
-            assert got["shared"][first] > got["limit"], got  # the H200's launch would not start there
+    for (fp8, few), launches in LAUNCHES.items():
+        table = f"{'fp8' if fp8 else 'bf16'} {'few' if few else 'many'}"
+        for arch in (89, 120):
+            got = picks[f"sm_{arch} {table}"]
             assert got["shared"][str(got["pick"])] <= got["limit"], got
-    for rows in ("fp8", "bf16"):
-        assert picks[f"sm_90 {rows}"]["pick"] == list(LAUNCHES[rows == "fp8"][0])
+            if not few:  # the H200's 64-head launch would not start there
+                assert got["shared"][str(list(launches[0]))] > got["limit"], got
+        assert picks[f"sm_90 {table}"]["pick"] == list(launches[0])

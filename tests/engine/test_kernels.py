@@ -74,8 +74,9 @@ def test_topk_slots_bounded_by_length(k):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("ratio_rows", [64, 2])  # c4 pages hold 64 rows, c128 pages 2
 @pytest.mark.parametrize("splits", [1, 3])  # one program per request (sink merged in-kernel), or split-K + combine
-@pytest.mark.parametrize("small", [False, True])  # LAUNCHES' first, or the last (what 99 KB GPUs get)
-def test_sparse_decode_attention(kv_dtype, ratio_rows, splits, small):
+# the launch picked for this batch (many requests' first), the last (what 99 KB GPUs get), or few requests' first
+@pytest.mark.parametrize("launch", ["picked", "last", "few"])
+def test_sparse_decode_attention(kv_dtype, ratio_rows, splits, launch):
     gen = torch.Generator().manual_seed(3)
     batch, heads, dim, rope, window, pages, k = 5, 8, 128, 64, 32, 40, 12
     ring = MainRows(batch, window, dim, rope, kv_dtype, "cpu")
@@ -92,7 +93,8 @@ def test_sparse_decode_attention(kv_dtype, ratio_rows, splits, small):
     slots[4, 3] = -1  # a hole inside the list is skipped
     args = (q, sink, 128**-0.5, ring.storage, seq_slot, positions, comp.storage, ratio_rows, slots, comp_len)
     ref = sparse_decode_attention_reference(*args, torch.zeros(batch, heads, dim), window, rope)
-    launch = LAUNCHES[kv_dtype == "fp8_e4m3"][-1] if small else None
+    fp8 = kv_dtype == "fp8_e4m3"
+    launch = {"picked": None, "last": LAUNCHES[fp8, False][-1], "few": LAUNCHES[fp8, True][0]}[launch]
     out = sparse_decode_attention_triton(*args, torch.zeros(batch, heads, dim), window, rope, splits=splits,
                                          launch=launch)  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)  # bf16 queries: the kernel's P@V runs in bf16

@@ -65,18 +65,26 @@ def test_indexer_topk_attention_at_flash_sizes(kv_dtype):
     ref = sparse_decode_attention_reference(*args, torch.zeros(batch, 64, 512, device=DEV), 128, 64)
     got = sparse_decode_attention_triton(*args, torch.zeros(batch, 64, 512, device=DEV), 128, 64)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    seq_slot = args[4]
+    for b in range(batch):  # each request alone: few requests' launch
+        one = (qa[b : b + 1], sink, 512**-0.5, ring.storage, seq_slot[b : b + 1], positions[b : b + 1],
+               comp.storage, 64, slots[b : b + 1], comp_len[b : b + 1])  # fmt: skip
+        got = sparse_decode_attention_triton(*one, torch.zeros(1, 64, 512, device=DEV), 128, 64)
+        torch.testing.assert_close(got, ref[b : b + 1], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-def test_attention_on_a_gpu_with_99_kb_of_shared_memory(kv_dtype, monkeypatch):
-    """As Ada and consumer Blackwell GPUs run it: this GPU made to report their 99 KB a block, the launch picked is
-    LAUNCHES' last, and it gives the reference's result at flash sizes, eager and replayed in a CUDA graph."""
+@pytest.mark.parametrize("batch", [8, 1])  # many requests' launches, and few requests'
+def test_attention_on_a_gpu_with_99_kb_of_shared_memory(kv_dtype, batch, monkeypatch):
+    """As Ada and consumer Blackwell GPUs run it: this GPU made to report their 99 KB a block, the launch picked is the
+    one tests/engine/test_attention_shared_memory.py finds fitting there, and it gives the reference's result at flash
+    sizes, eager and replayed in a CUDA graph."""
     monkeypatch.setattr(sparse_attention, "shared_memory_limit", lambda device: 101376)
     monkeypatch.setattr(sparse_attention, "_fitting", {})
     gen = torch.Generator(device=DEV).manual_seed(1)
-    batch, pages = 8, 64
+    pages = 64
     ring, comp, q, sink = _attention_inputs(kv_dtype, batch, pages, gen)
-    positions = torch.tensor([0, 5, 127, 128, 700, 4000, 9000, 60000], device=DEV, dtype=torch.int32)
+    positions = torch.tensor([0, 5, 127, 128, 700, 4000, 9000, 60000], device=DEV, dtype=torch.int32)[-batch:]
     comp_len = (positions // 4).clamp(max=512)
     slots = torch.randint(0, pages * 64, (batch, 512), device=DEV, generator=gen).int()
     args = (q, sink, 512**-0.5, ring.storage, torch.arange(batch, device=DEV, dtype=torch.int32), positions,
@@ -84,7 +92,9 @@ def test_attention_on_a_gpu_with_99_kb_of_shared_memory(kv_dtype, monkeypatch):
     ref = sparse_decode_attention_reference(*args, torch.zeros(batch, 64, 512, device=DEV), 128, 64)
     out = torch.zeros(batch, 64, 512, device=DEV)
     sparse_decode_attention_triton(*args, out, 128, 64)
-    assert list(sparse_attention._fitting.values()) == [LAUNCHES[kv_dtype == "fp8_e4m3"][-1]]
+    fp8, few = kv_dtype == "fp8_e4m3", batch <= sparse_attention.FEW_REQUESTS
+    fits = LAUNCHES[fp8, few][0 if few and not fp8 else -1]  # few requests' bf16 launch fits 99 KB as it is
+    assert list(sparse_attention._fitting.values()) == [fits]
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     out.zero_()
     graph, _ = capture(lambda: sparse_decode_attention_triton(*args, out, 128, 64))
