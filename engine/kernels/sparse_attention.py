@@ -27,7 +27,9 @@ from engine.kernels.dispatch import interpreting, shared_memory_limit, splits_fo
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units: the softmax is exp2
 
 Launch = tuple[int, int, int, int]  # head_block, block_n, num_warps, num_stages
-FEW_REQUESTS = 2  # up to this batch, 16-head blocks: four times the programs, each with a quarter of the accumulator
+# Up to this batch, 16-head blocks: four times the programs, each with a quarter of the accumulator. On the H200,
+# fp8 rows: 14.0-14.4 vs 17.0-17.8 us at batch 1-3, but 20.2 vs 17.7 at batch 4 (a graph pads 3 requests to 4).
+FEW_REQUESTS = 2
 # Launches by (fp8 rows, few requests), fastest first; a GPU gets the first whose kernel fits its shared memory a
 # block. The first of each is `bench/kernels.py --sweep`'s choice on an H200 (227 KB a block). Many requests: fp8
 # rows copy two blocks ahead (208 KB; 47.1 vs 47.9 us with one), bf16 rows' copies are twice the size (3 stages would
