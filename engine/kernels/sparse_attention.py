@@ -289,8 +289,9 @@ def sparse_decode_attention_triton(
         return _sparse_attention_kernel[grid](*args, **consts)
 
     if launch is None:
-        launches = LAUNCHES[fp8, batch <= FEW_REQUESTS]
-        key = (q.device, fp8, q.dtype, heads, dim, rope_dim, window, window_span, splits > 1, batch <= FEW_REQUESTS)
+        few = batch <= FEW_REQUESTS
+        launches = LAUNCHES[fp8, few]
+        key = (q.device, fp8, q.dtype, heads, dim, rope_dim, window, window_span, splits > 1, few)
         if key not in _fitting and interpreting():  # the interpreter has no shared memory
             _fitting[key] = launches[0]
         if key not in _fitting:  # compiles (no launch) until one fits; later calls launch at once
