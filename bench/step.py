@@ -2,7 +2,9 @@
 kind, all 256 experts, lm_head included, seeded random bf16 weights made on the GPU) at batch 1, 16 and 64, replayed
 from the serving runtime's CUDA graphs, against its bandwidth roofline: the bytes a step must read once — dense
 weights, each routed expert the batch touches, only the KV rows attended (FP8) — over the copy bandwidth measured in
-the same run. Also: the same step run eagerly, kernels launched per step, and the graph's logits against eager ones.
+the same run. Also: the same step run eagerly, kernels launched per step, the graph's logits against eager ones, and
+the share of the step's GPU time spent in sparse attention (its kernel and the split merge), which bounds what a faster
+attention kernel can give the step.
 
     python bench/step.py --out bench/results     # writes step.json and step.md
 """
@@ -73,13 +75,20 @@ def roofline_bytes(model, batch_size: int, touched: list[int], context: int) -> 
     return {"dense_weights": dense, "routed_experts": experts, "kv_rows": kv, "total": dense + experts + kv}
 
 
-def kernel_profile(model, batch) -> tuple[int, str]:
-    """Kernels one eager step launches, and a table of where its GPU time goes."""
+ATTENTION_KERNELS = ("_sparse_attention_kernel", "_merge_splits_kernel")  # engine/kernels/sparse_attention.py
+
+
+def kernel_profile(model, batch) -> tuple[int, float, float, str]:
+    """Kernels one eager step launches, their GPU µs, the µs of those in ATTENTION_KERNELS, and a table of where the
+    step's GPU time goes."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         model.logits(model.run_layers(batch))
         torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return kernels, prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.time_range.elapsed_us() for e in kernels)
+    attention_us = sum(e.time_range.elapsed_us() for e in kernels if e.name in ATTENTION_KERNELS)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    return len(kernels), total_us, attention_us, table
 
 
 @torch.inference_mode()
@@ -103,8 +112,8 @@ def main() -> None:
         f"FP8 KV; each request at {CONTEXT} tokens, page tables (and graphs) sized for {MAX_CONTEXT}.",
         "",
         "| batch | graph µs/step | eager µs/step | roofline µs | fraction | experts touched per layer | bytes: dense / "
-        "experts / KV (MB) | graph vs eager logits max abs diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "experts / KV (MB) | graph vs eager logits max abs diff | sparse attention µs/step (share of GPU time) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for batch_size in BATCHES:
         states = [model.new_state() for _ in range(batch_size)]
@@ -125,6 +134,7 @@ def main() -> None:
         bytes_ = roofline_bytes(model, batch_size, touched, CONTEXT)
         roofline_us = bytes_["total"] / bandwidth * 1e6
         diff = float((graph_logits - eager_logits).abs().max())
+        kernels, kernel_us, attention_us, breakdown = kernel_profile(model, batch)
         results["batches"][batch_size] = {
             "graph_us": graph_us,
             "eager_us": eager_us,
@@ -132,14 +142,19 @@ def main() -> None:
             "experts_touched": touched,
             "bytes": bytes_,
             "logits_max_abs_diff": diff,
+            "kernels": kernels,
+            "kernel_us": kernel_us,
+            "sparse_attention_us": attention_us,
+            "sparse_attention_share": attention_us / kernel_us,
         }
         results[f"roofline_fraction_b{batch_size}"] = roofline_us / graph_us
         mb = " / ".join(f"{bytes_[k] / 1e6:.0f}" for k in ("dense_weights", "routed_experts", "kv_rows"))
         lines.append(f"| {batch_size} | {graph_us:.0f} | {eager_us:.0f} | {roofline_us:.0f} | "
-                     f"{roofline_us / graph_us:.2f} | {touched} | {mb} | {diff:.2e} |")  # fmt: skip
+                     f"{roofline_us / graph_us:.2f} | {touched} | {mb} | {diff:.2e} | {attention_us:.0f} "
+                     f"({attention_us / kernel_us:.1%}) |")  # fmt: skip
         print(lines[-1], flush=True)
         if batch_size == 1:
-            results["kernels_per_step"], breakdown = kernel_profile(model, batch)
+            results["kernels_per_step"], batch1_breakdown = kernels, breakdown
         for state in states:
             model.release_state(state)
     lines += [
@@ -147,10 +162,13 @@ def main() -> None:
         f"Kernels launched per step (batch 1, eager, profiler): {results['kernels_per_step']}.",
         "Targets (issue 5): whole step at batch 1 and 16 ≥ 0.5 of the roofline.",
         "",
+        "Sparse attention's share: its kernels' time over all kernels' time in one eager step (torch.profiler); the "
+        "kernels are the ones a graph replays.",
+        "",
         "Where an eager step's GPU time goes at batch 1 (torch.profiler):",
         "",
         "```",
-        breakdown,
+        batch1_breakdown,
         "```",
     ]
     results.update(provenance())
@@ -162,7 +180,7 @@ def main() -> None:
         "",
     ]
     (args.out / "step.md").write_text("\n".join(header + lines) + "\n")
-    print("\n".join(lines[-(8 + breakdown.count("\n")) :]))
+    print("\n".join(lines[-(10 + batch1_breakdown.count("\n")) :]))
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def _sparse_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
+def _merge_splits_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
                     H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -303,7 +303,7 @@ def sparse_decode_attention_triton(
         launch = _fitting[key]
     run(launch)
     if splits > 1:
-        _combine_kernel[(batch, heads)](
+        _merge_splits_kernel[(batch, heads)](
             o_part, lse_part, sink, out, out.stride(0), out.stride(1),
             H=heads, D=dim, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits),
         )  # fmt: skip
