@@ -237,8 +237,10 @@ def _sparse_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
-                    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):  # fmt: skip
+def _merge_splits_kernel(
+    o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_POW2)
