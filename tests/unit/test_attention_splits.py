@@ -1,20 +1,20 @@
 """How many programs share a request's keys (split-K) when the caller does not say: enough to fill the GPU once, never
-more than the request's 64-row blocks, spread evenly. On the CPU splits_for has no GPU to size for, so its CUDA rule
-runs here for an H200's 132 multiprocessors."""
+more than the request's 64-row blocks, spread evenly. The CPU has no GPU to size for, so torch reports an H200's 132
+multiprocessors here and splits_for's CUDA rule runs on them."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine.kernels import sparse_attention
 from engine.kernels.sparse_attention import default_splits
 
 
 @pytest.fixture
 def h200(monkeypatch):
-    monkeypatch.setattr(sparse_attention, "splits_for",
-                        lambda n, device, waves, cap: max(1, min(cap, waves * 132 // n)))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
 
 
 @pytest.mark.parametrize(
