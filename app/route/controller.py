@@ -17,11 +17,12 @@ from sqlmodel import Session
 from app.auth.guards import requires_operator, requires_viewer
 from app.route import service
 from app.route.client_config import client_config
-from app.route.proxy import MODELS, AgentRoute, RouteError
+from app.route.proxy import MODELS, AgentRoute, Body, RouteError
 from app.route.schemas import AlertRead, ClientConfigRead, IssuedKey, KeyCreate, KeyRead, MetricsRead
 from app.settings import Settings
 
-# An agent's whole conversation travels in each request (the engine takes the same).
+# An agent's whole conversation travels in each request (the engine takes the same); the route refuses far less
+# for a given profile, from its context length (proxy.body_limit).
 MAX_BODY_BYTES = 256 << 20
 
 
@@ -37,8 +38,11 @@ def route_error(_: Request, error: RouteError) -> Response:
 
 
 async def _answer(route: AgentRoute, request: Request, endpoint: str) -> Response | Stream:
-    raw = await request.body() if request.method == "POST" else b""
-    answer = await route.serve(request.headers.get("authorization"), request.method, endpoint, raw)
+    body = b""
+    if request.method == "POST":
+        declared = request.headers.get("content-length")
+        body = Body(request.stream(), int(declared) if declared and declared.isdigit() else None)
+    answer = await route.serve(request.headers.get("authorization"), request.method, endpoint, body)
     headers = dict(answer.headers)
     media_type = headers.pop("content-type")
     if answer.stream is not None:

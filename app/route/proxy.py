@@ -6,6 +6,11 @@ engine that runs is not production's, the route answers 503 with `Retry-After` a
 clamped to the production profile's `max_output_tokens`. Streams pass event by event (never buffered whole); if the
 engine dies mid-stream, the agent gets an error event and the stream's end, never a silently cut answer.
 
+What one request may cost the console is bounded by the serving engine's own limits: a body larger than its context
+could hold is refused (413) before it is read, from its declared length or as it streams in; and the route holds at
+most as many agent requests as the engine admits (`max_num_seqs` running plus `max_waiting_requests` waiting), so
+beyond that the route itself answers 429 with `Retry-After` instead of queueing connections.
+
 The console's own callers (the switch smoke, the production watch's canary) take the same path with an internal
 credential that lives in this process only; they may name the profile they expect (a switch smokes its target
 before it holds the production role).
@@ -17,7 +22,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from hmac import compare_digest
 from typing import Any
@@ -48,6 +53,15 @@ WATCH_CANARY = "production watch"
 CONNECT_TIMEOUT_S = 5.0
 USAGE_FLUSH_S = 5.0
 RESPONSES_TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
+# A request body's bytes per token of the context, and a fixed allowance (tools, schemas, the JSON around them): a
+# conversation as JSON takes about 4 bytes a token, 9 for CJK text with \u escapes; 32 leaves room for any real one.
+BODY_BYTES_PER_TOKEN = 32
+BODY_BYTES_FIXED = 1 << 20
+
+
+def body_limit(context_length: int) -> int:
+    """The largest request body the route reads for an engine of this context length."""
+    return BODY_BYTES_PER_TOKEN * context_length + BODY_BYTES_FIXED
 
 
 class RouteError(HTTPException):
@@ -84,6 +98,17 @@ class Serving:
     base_url: str
     served_name: str
     build: str | None
+    # The engine's own admission limits, as it applied them (/server_info's config).
+    context_length: int
+    admits: int  # max_num_seqs + max_waiting_requests: agent requests the route holds at once
+
+
+@dataclass(frozen=True)
+class Body:
+    """A request body as it arrives, read only once the route knows how large it may be."""
+
+    chunks: AsyncIterable[bytes]
+    declared_length: int | None  # Content-Length, when the client sent one
 
 
 @dataclass
@@ -107,6 +132,7 @@ class AgentRoute:
         self._internal = {name: secrets.token_urlsafe(32) for name in (SWITCH_SMOKE, WATCH_CANARY)}
         self.usage = UsageBook(db)
         self._http: httpx.AsyncClient | None = None
+        self._agent_requests = 0  # agent requests between admission and their answer's end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flusher: asyncio.Task | None = None
 
@@ -114,7 +140,9 @@ class AgentRoute:
         """At console start, on the loop that serves requests (the internal calls run on it too)."""
         self._loop = asyncio.get_running_loop()
         timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=self.settings.route_read_timeout_s)
-        self._http = httpx.AsyncClient(timeout=timeout, trust_env=False)
+        # No pool limit of its own: the route bounds what it holds by the engine's admission limits (`_admit`).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         self._flusher = asyncio.create_task(self._flush_usage())
 
     async def close(self) -> None:
@@ -176,35 +204,89 @@ class AgentRoute:
             raise self._unavailable(f"the engine of {profile.name!r} is not ready (starting, restarting or stopped)")
         if live.profile != profile.name:
             raise self._unavailable(f"the engine runs {live.profile!r}, not {profile.name!r}: nothing else serves")
+        applied = live.server_info.get("config") or {}
         return Serving(
             profile.name,
             profile.max_output_tokens,
             live.base_url,
             live.server_info["served_model_name"],
             live.server_info.get("build"),
+            context_length=applied.get("context_length") or profile.context_length,
+            admits=(applied.get("max_num_seqs") or profile.max_num_seqs) + (applied.get("max_waiting_requests") or 0),
         )
+
+    def _admit(self, serving: Serving) -> Callable[[], None]:
+        """Count an agent request in until the returned release is called; 429 when the engine admits no more."""
+        if self._agent_requests >= serving.admits:
+            raise RouteError(
+                429,
+                f"the route holds {self._agent_requests} requests for {serving.profile!r}, as many as its engine "
+                f"admits (max_num_seqs + max_waiting_requests = {serving.admits}): retry later",
+                "route_full",
+                retry_after=self.settings.route_retry_after_s,
+            )
+        self._agent_requests += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._agent_requests -= 1
+
+        return release
+
+    @staticmethod
+    async def _read(body: bytes | Body, limit: int) -> bytes:
+        """The whole body, refused (413) once it is known to pass `limit` bytes: from its declared length before a
+        byte is read, else as it streams in."""
+        if isinstance(body, bytes):
+            return body
+        too_large = RouteError(
+            413,
+            f"the request body is larger than {limit} bytes, the most this engine's context could use "
+            f"({BODY_BYTES_PER_TOKEN} bytes a token of context_length, plus {BODY_BYTES_FIXED})",
+            "request_too_large",
+        )
+        if body.declared_length is not None and body.declared_length > limit:
+            raise too_large
+        parts, size = [], 0
+        async for chunk in body.chunks:
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)
 
     # Serving
 
     async def serve(
-        self, authorization: str | None, method: str, endpoint: str, raw: bytes, expected: str | None = None
+        self, authorization: str | None, method: str, endpoint: str, body: bytes | Body, expected: str | None = None
     ) -> Answer:
         """One request through the route; a RouteError is the answer when the route refuses it. `expected` is for
-        the console's own callers (see `call`)."""
+        the console's own callers (see `call`), which the admission bound does not count."""
         started = time.monotonic()
         caller = await anyio.to_thread.run_sync(self.authenticate, authorization)
         profile = ""
+        release: Callable[[], None] = lambda: None
 
         def done(ok: bool) -> None:
+            release()
             self._record(caller, profile, ok, started)
 
         try:
             chosen = await anyio.to_thread.run_sync(self._profile, expected)
             profile = chosen.name
             serving = await anyio.to_thread.run_sync(self._serving, chosen, expected is None)
+            if expected is None:
+                release = self._admit(serving)
+            raw = await self._read(body, body_limit(serving.context_length))
             answer = await self._forward(serving, method, endpoint, raw, done)
         except RouteError:
             done(False)
+            raise
+        except BaseException:  # the client went away, or the console stops: the request no longer counts
+            release()
             raise
         if answer.stream is None:
             done(200 <= answer.status < 300)
@@ -217,6 +299,8 @@ class AgentRoute:
         """The request as the engine gets it: the alias swapped for the engine's served name, the budget clamped."""
         try:
             body = json.loads(raw)
+        except RecursionError as exc:
+            raise RouteError(400, "the request body's JSON nests too deeply", "invalid_json") from exc
         except ValueError as exc:
             raise RouteError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from exc
         if not isinstance(body, dict):
@@ -230,12 +314,17 @@ class AgentRoute:
             clamped = clamp(endpoint, body, serving.limit)
         except BudgetError as exc:
             raise RouteError(400, str(exc), "invalid_budget", exc.field) from exc
-        return json.dumps({**clamped.body, "model": serving.served_name}).encode(), clamped.warning
+        try:
+            return json.dumps({**clamped.body, "model": serving.served_name}).encode(), clamped.warning
+        except RecursionError as exc:
+            raise RouteError(400, "the request body cannot be passed on as JSON", "invalid_json") from exc
 
     async def _forward(
         self, serving: Serving, method: str, endpoint: str, raw: bytes, done: Callable[[bool], None]
     ) -> Answer:
-        content, warning = self._prepare(serving, endpoint, raw) if method == "POST" else (None, None)
+        content, warning = (None, None)
+        if method == "POST":  # parsing a large body takes a while: off the event loop
+            content, warning = await anyio.to_thread.run_sync(self._prepare, serving, endpoint, raw)
         request = self._http.build_request(
             method,
             serving.base_url + endpoint,
