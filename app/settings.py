@@ -43,8 +43,9 @@ class Settings:
     route_retry_after_s: int
     route_read_timeout_s: float
     public_url: str | None
-    # The production watch: how often it checks health and sends a canary completion, how long the canary may take,
-    # and how many restarts within the window it tries before rolling back to the last known good.
+    # The production watch: how often it checks production, how long an engine with work may run no step (or an idle
+    # one leave its canary unanswered) before it is hung, and how many restarts within the window it tries before
+    # rolling back to the last known good.
     watch_interval_s: float
     watch_canary_timeout_s: float
     watch_restarts: int

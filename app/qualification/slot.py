@@ -27,6 +27,8 @@ READY_POLL_S = 0.2
 # A start gets the supervisor's own boot timeout; this is on top, for the supervisor to record the verdict.
 READY_GRACE_S = 30.0
 LIVE = [s for s in RunState if s.live]
+IN_FLIGHT = ("flashgate_requests_running", "flashgate_requests_waiting")
+STEPS = "flashgate_steps_total"
 
 
 class Locked(ClientException):
@@ -39,6 +41,15 @@ class Locked(ClientException):
 class Holder:
     what: str
     since: datetime
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the engine's /metrics says about its work: requests running or waiting, and the steps it has run (decode
+    and prefill; the count moves with every step, however long the queue)."""
+
+    in_flight: int
+    steps: int | None
 
 
 @dataclass(frozen=True)
@@ -92,21 +103,27 @@ class EngineSlot:
     def base_url(self) -> str:
         return self.supervisor.driver.base_url
 
+    def progress(self, http: httpx.Client) -> Progress | None:
+        """The engine's work as its /metrics reports it; None when it does not answer."""
+        try:
+            response = http.get(f"{self.base_url}/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        samples = prometheus.parse(response.text)
+        in_flight = sum(prometheus.total(samples, name) or 0 for name in IN_FLIGHT)
+        steps = prometheus.total(samples, STEPS)
+        return Progress(int(in_flight), None if steps is None else int(steps))
+
     def drain(self, timeout_s: float) -> dict[str, Any]:
         """Wait until the engine has no request running or waiting (its own /metrics), or the timeout. The agent
         route admits nothing new while the slot is held, so only what was in flight is waited for."""
         start = time.monotonic()
-        in_flight: float | None = None
+        in_flight: int | None = None
         with httpx.Client(timeout=2.0) as http:
             while True:
-                try:
-                    samples = prometheus.parse(http.get(f"{self.base_url}/metrics").text)
-                    in_flight = sum(
-                        prometheus.total(samples, name) or 0
-                        for name in ("flashgate_requests_running", "flashgate_requests_waiting")
-                    )
-                except httpx.HTTPError:
-                    in_flight = None  # gone or not ready: nothing to wait for
+                progress = self.progress(http)
+                in_flight = progress.in_flight if progress else None  # gone or not ready: nothing to wait for
                 if not in_flight or time.monotonic() - start >= timeout_s:
                     break
                 time.sleep(DRAIN_POLL_S)

@@ -1,8 +1,10 @@
-"""The production watch: on a timer, whether the production engine is alive and answers. The supervisor marks an
-engine that exits, or whose /health goes silent, as crashed; the watch adds a canary completion through the route
-(a hang that /health does not show). A crash or a hang restarts production; more failures than
-FLASHGATE_WATCH_RESTARTS within FLASHGATE_WATCH_WINDOW_S roll back to the last known good (the same switch an
-operator runs). Each step is an audit row and an alert on the console.
+"""The production watch: on a timer, whether the production engine is alive and makes progress. The supervisor marks
+an engine that exits, or whose /health goes silent, as crashed; the watch adds what /health does not show, a hang:
+an engine with requests running or waiting whose step counter (`flashgate_steps_total` in its /metrics) stands still
+for FLASHGATE_WATCH_CANARY_TIMEOUT_S. A long queue is not a hang, however long a request waits in it. An idle engine
+(or one whose /metrics is silent) gets a canary completion through the route, which waits behind nobody. A crash or
+a hang restarts production; more failures than FLASHGATE_WATCH_RESTARTS within FLASHGATE_WATCH_WINDOW_S roll back to
+the last known good (the same switch an operator runs). Each step is an audit row and an alert on the console.
 
 The watch leaves alone what people do: nothing while a switch, a qualification run or an operator's command holds
 the engine, and nothing when an operator stopped production or runs another profile (the route answers 503 then).
@@ -20,7 +22,9 @@ import contextlib
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
+import httpx
 import structlog
 from litestar.exceptions import HTTPException
 from sqlalchemy import Engine
@@ -48,6 +52,14 @@ STOP_JOIN_S = 5.0
 # How long a failed canary waits for the supervisor to record an exit, before it calls the engine hung.
 EXIT_NOTICE_S = 2.0
 RESTARTED = "console restarted"
+METRICS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Seen:
+    run: int
+    steps: int | None
+    at: float
 
 
 class ProductionWatch:
@@ -61,6 +73,9 @@ class ProductionWatch:
         self._production: str | None = None
         # The crashed or failed run already dealt with, so a run that stays the latest is not counted twice.
         self._handled_run: int | None = None
+        # When production's engine was last seen stepping (or idle): a run id, its step count and the time.
+        self._seen: Seen | None = None
+        self._http = httpx.Client(timeout=METRICS_TIMEOUT_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -72,6 +87,7 @@ class ProductionWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=STOP_JOIN_S)
+        self._http.close()
 
     def _run(self) -> None:
         if self.settings.resume_production:
@@ -137,20 +153,47 @@ class ProductionWatch:
         if production is None or latest is None or latest_profile != production or self.slot.holder is not None:
             return
         if latest.state is RunState.ready:
-            canary = route_smoke(self.route, production, WATCH_CANARY, self.settings.watch_canary_timeout_s)
-            # A full queue (429) is an engine that answers; the slot taken meanwhile means someone else acts; a
-            # console shutting down answers nothing.
-            if canary.ok or canary.status == 429 or self.slot.holder is not None or self._stop.is_set():
-                return
-            if self._exited(latest.id):
-                return  # a crash, not a hang: the next check sees it as one
-            self._failed(production, latest, "hang", f"the canary completion failed: {canary.detail}")
+            self._judge_progress(production, latest)
         elif latest.id == self._handled_run:
             return
         elif latest.state is RunState.crashed:
             self._failed(production, latest, "crash", latest.last_error or "the engine crashed")
         elif latest.state is RunState.failed and latest.started_by == WATCH:
             self._failed(production, latest, "restart_failed", latest.last_error or "the restart failed")
+
+    def _judge_progress(self, production: str, run: EngineRun) -> None:
+        """A hang is an engine with work that runs no step, not one whose queue is long. With requests in flight the
+        step counter in its /metrics decides; an idle engine (or one whose /metrics is silent) gets the canary, which
+        then waits behind nobody, and fails only if the engine ran no step meanwhile."""
+        now = time.monotonic()
+        before = self.slot.progress(self._http)
+        if self._seen is None or self._seen.run != run.id:
+            self._seen = Seen(run.id, before.steps if before else None, now)
+        if before is not None and before.steps is not None and before.steps != self._seen.steps:
+            self._seen = Seen(run.id, before.steps, now)
+        if before is not None and before.in_flight and before.steps is not None:
+            stalled = now - self._seen.at
+            if stalled >= self.settings.watch_canary_timeout_s:
+                self._failed(
+                    production,
+                    run,
+                    "hang",
+                    f"{before.in_flight} request(s) running or waiting and no engine step for {stalled:.0f} s",
+                )
+            return
+        canary = route_smoke(self.route, production, WATCH_CANARY, self.settings.watch_canary_timeout_s)
+        # A full queue (429) is an engine that answers; the slot taken meanwhile means someone else acts; a console
+        # shutting down answers nothing.
+        if canary.ok or canary.status == 429 or self.slot.holder is not None or self._stop.is_set():
+            self._seen = Seen(run.id, self._seen.steps, time.monotonic())
+            return
+        after = self.slot.progress(self._http)
+        if after is not None and after.steps is not None and after.steps != (before.steps if before else None):
+            self._seen = Seen(run.id, after.steps, time.monotonic())
+            return  # agents' requests came in and the engine steps through them: busy, not hung
+        if self._exited(run.id):
+            return  # a crash, not a hang: the next check sees it as one
+        self._failed(production, run, "hang", f"the canary completion failed: {canary.detail}")
 
     def _exited(self, run_id: int) -> bool:
         """Whether the run left the ready state within a moment (the supervisor notices an exit within a poll)."""
