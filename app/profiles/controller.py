@@ -86,5 +86,6 @@ class ProfileController(Controller):
     def retire_profile(
         self, request: Request, profiles: NamedDependency[ProfileService], name: FromPath[str]
     ) -> ProfileRead:
-        """Retire a profile: it stays on record with its evidence but is no longer offered."""
+        """Retire a profile: it stays on record with its evidence but is no longer offered. 409 naming the role while
+        it holds the production or rollback role (the route must be able to start it)."""
         return profiles.read_one(profiles.retire(request.user.name, name).name)

@@ -43,6 +43,9 @@ from app.qualification.evidence import evidence_count
 
 log = structlog.get_logger(__name__)
 
+# The roles the route starts a profile in: production (restarts, resumes) and rollback (the last known good).
+ROUTE_ROLES = ("production", "rollback")
+
 # How a host rule broken by a seeded profile reads as its state.
 BLOCKER_LABELS = {
     "tensor_parallel_size": "tensor parallelism unavailable",
@@ -239,10 +242,17 @@ class ProfileService:
         return profile
 
     def retire(self, actor: str, name: str) -> Profile:
-        """Take a profile out of use; it and its evidence stay on record."""
+        """Take a profile out of use; it and its evidence stay on record. Refused while it holds the production or
+        rollback role: the route must be able to start it."""
         profile = self.get(name)
         if profile.retired:
             raise Conflict(f"profile {name!r} is already retired")
+        held = [r for r in roles_by_profile(self.session).get(profile.id, []) if r in ROUTE_ROLES]
+        if held:
+            raise Conflict(
+                f"profile {name!r} holds the {' and '.join(held)} role: retired, it could neither restart nor resume "
+                f"nor be rolled back to; promote another profile first"
+            )
         profile.retired, profile.retired_at, profile.retired_by = True, utcnow(), actor
         audit.record(
             self.session, actor, "profile.retire", f"profile:{name}", before={"retired": False}, after={"retired": True}

@@ -204,6 +204,26 @@ def test_retire(client, operator):
     assert names[-1] == "maxseq1-1m"  # retired profiles are listed last, still on record
 
 
+@pytest.mark.parametrize("role", ["production", "rollback"])
+def test_a_profile_the_route_starts_cannot_be_retired(client, operator, data_dir, role, sign_in):
+    # Retired, production could neither restart nor resume (and a rollback target could not be rolled back to).
+    with sqlite3.connect(data_dir / "flashgate.sqlite3") as conn:
+        (profile_id,) = conn.execute("SELECT id FROM profile WHERE name = 'cpu-demo'").fetchone()
+        conn.execute(
+            f"INSERT INTO route (alias, {role}_id, updated_at, updated_by)"
+            " VALUES ('production', ?, datetime('now'), 'test')",
+            (profile_id,),
+        )
+    before = row_counts(data_dir)
+    refused = client.post("/api/profiles/cpu-demo/retire", headers=operator)
+    assert refused.status_code == 409 and f"'cpu-demo' holds the {role} role" in refused.json()["detail"]
+    assert row_counts(data_dir) == before
+    assert client.get("/api/profiles/cpu-demo", headers=operator).json()["state"]["retired"] is False
+    sign_in("otto", operator["Authorization"].removeprefix("Bearer "))
+    page = client.get("/profiles/cpu-demo").text
+    assert f"It holds the {role} role" in page and 'action="/profiles/cpu-demo/retire"' not in page
+
+
 def test_production_route_is_empty_and_promotion_waits_for_qualification(client, operator, viewer):
     assert client.get("/api/route/production", headers=viewer).json() is None
     response = client.put("/api/route/production", json={"profile": "cpu-demo", "reason": "go"}, headers=operator)
