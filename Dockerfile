@@ -1,36 +1,59 @@
-# syntax=docker/dockerfile:1
 # The Flashgate appliance image: the console (`flashgate console`, the default) with the engine as its child
-# process, or the engine container of the docker driver (`flashgate engine`). CI has no Docker daemon, so the image
-# is not built there: `docker compose build`, or
+# process, or the engine container of the docker driver (`flashgate engine`). docs/deploy.md has the builds:
 #   docker build --build-arg FLASHGATE_COMMIT="$(git rev-parse --short HEAD)" -t flashgate:local .
-# docs/deploy.md has the rest.
+# No `# syntax=` line: BuildKit would pull its frontend image from Docker Hub, which an air-gapped host cannot.
 #
-# Base and torch are one pairing: torch 2.11.0's Linux wheels on PyPI declare `cuda-toolkit==13.0.2` and
-# `triton==3.6.0` (Requires-Dist in the wheel's metadata), so the base is NVIDIA's CUDA 13.0.2 runtime, and Ubuntu
-# 24.04 is the release whose Python is 3.12. The host needs an NVIDIA driver for CUDA 13.0 (580 or newer). Another
-# pairing is three build args, e.g. CUDA 12.8 for older drivers:
+# One file, two bases; the base-specific steps are build args, not a fork:
+#   - the production default (below): NVIDIA's CUDA runtime on Ubuntu 24.04 with its Python 3.12. Torch 2.11.0's
+#     Linux wheels on PyPI declare `cuda-toolkit==13.0.2` and `triton==3.6.0` (Requires-Dist in the wheel's
+#     metadata), so the base is CUDA 13.0.2; the host needs an NVIDIA driver for CUDA 13.0 (580 or newer). Not built
+#     in CI (no GPU, no registry there).
+#   - CI's CPU build (`make image-cpu`): a Debian 12 root made with mmdebstrap, its Python 3.11, torch's CPU wheel.
+# Another CUDA pairing is three build args, e.g. CUDA 12.8 for older drivers:
 #   --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 #   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
+ARG PYTHON=python3.12
+ARG SYSTEM_PACKAGES="python3.12=3.12.3-1ubuntu0.* python3.12-venv=3.12.3-1ubuntu0.* python3.12-dev=3.12.3-1ubuntu0.* gcc=4:13.2.0-7ubuntu1 libc6-dev=2.39-0ubuntu8.*"
 
-# Apt pins: Ubuntu's archive keeps only the newest update of a package, so an exact pin would break the build at
-# the next security fix. Each package is pinned to its upstream release and Ubuntu revision series (a glob), and
-# takes the security updates of that series. They are the versions of Ubuntu 24.04 (noble): a base on another
-# release needs these pins changed with it.
+# The distribution's packages, one stage that both others start from: Python and its venv module, and gcc, libc6-dev
+# and the Python headers because Triton compiles its launcher (a C file that includes Python.h) when the engine
+# starts. Apt pins: Ubuntu's archive keeps only the newest update of a package, so an exact pin would break the build
+# at the next security fix; each package is pinned to its upstream release and revision series (a glob) and takes
+# the security updates of that series. The defaults are Ubuntu 24.04's (noble); another base passes its own
+# PYTHON and SYSTEM_PACKAGES (the Makefile's DEBIAN12_* for Debian 12).
+# A base that already holds every package at its pinned series (docs/deploy.md, "Air-gapped hosts") is used as it is:
+# apt is not asked, so such a build needs no network.
+FROM ${BASE_IMAGE} AS system
+ARG SYSTEM_PACKAGES
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The pins are in SYSTEM_PACKAGES, where hadolint cannot see them; each is a glob, matched against what dpkg has.
+# hadolint ignore=DL3008,SC2053
+RUN missing=(); \
+    for pin in ${SYSTEM_PACKAGES}; do \
+        installed=$(dpkg-query -W -f='${db:Status-Status} ${Version}' "${pin%%=*}" 2>/dev/null || true); \
+        [[ ${installed} == "installed "${pin#*=} ]] || missing+=("${pin}"); \
+    done; \
+    if (( ${#missing[@]} )); then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 
-FROM ${BASE_IMAGE} AS build
+FROM system AS build
+ARG PYTHON
 ARG TORCH_VERSION=2.11.0
 ARG TRITON_VERSION=3.6.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends \
-        'python3.12=3.12.3-1ubuntu0.*' \
-        'python3.12-venv=3.12.3-1ubuntu0.*' \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3.12 -m venv /opt/venv
+# WHEELHOUSE=1 installs every Python package from ./wheelhouse (`make wheelhouse`) and asks no index: the offline
+# build. The default asks PyPI and TORCH_INDEX_URL.
+ARG WHEELHOUSE=0
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY wheelhouse /opt/wheelhouse
+# The pip settings of this stage only (the runtime stage copies /opt/venv, not /etc).
+RUN if [ "${WHEELHOUSE}" = 1 ]; then printf '[global]\nno-index = true\nfind-links = /opt/wheelhouse\n' > /etc/pip.conf; \
+    elif [ "${WHEELHOUSE}" != 0 ]; then echo "WHEELHOUSE is 0 or 1, got ${WHEELHOUSE}" >&2; exit 1; fi \
+    && "${PYTHON}" -m venv /opt/venv
 # torch and its triton first, from the index of the chosen CUDA build: the largest layer, rebuilt only when they
 # change.
 RUN /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" \
@@ -39,7 +62,8 @@ WORKDIR /opt/flashgate
 # Then the rest of the dependencies, as pyproject.toml declares them for `.[server,console]`: a layer that changes
 # when they do, not with every source edit.
 COPY pyproject.toml README.md ./
-RUN /opt/venv/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; extra = p["optional-dependencies"]; print("\n".join(p["dependencies"] + extra["server"] + extra["console"]))' > /tmp/requirements.txt \
+COPY deploy/requirements.py ./deploy/
+RUN /opt/venv/bin/python deploy/requirements.py > /tmp/requirements.txt \
     && /opt/venv/bin/pip install --no-cache-dir -r /tmp/requirements.txt
 COPY engine ./engine
 COPY app ./app
@@ -52,18 +76,8 @@ RUN /opt/venv/bin/pip install --no-cache-dir --no-deps -e . \
     && sed -i 's/\r$//' bin/flashgate \
     && chmod 0755 bin/flashgate
 
-FROM ${BASE_IMAGE} AS runtime
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# Python 3.12 for the venv. gcc, libc6-dev and the Python headers only because Triton compiles its launcher (a C
-# file that includes Python.h) when the engine starts.
-RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        'python3.12=3.12.3-1ubuntu0.*' \
-        'python3.12-dev=3.12.3-1ubuntu0.*' \
-        'gcc=4:13.2.0-7ubuntu1' \
-        'libc6-dev=2.39-0ubuntu8.*' \
-    && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin flashgate \
+FROM system AS runtime
+RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin flashgate \
     && mkdir -p /data /models \
     && chown flashgate:flashgate /data /models
 COPY --from=build /opt/venv /opt/venv
