@@ -191,14 +191,6 @@ def settings_errors(s: ProfileSettings) -> list[FieldError]:
                 f"got {s.model!r}",
             )
         )
-    shadowed = sorted(set(s.engine_extras) & set(SETTINGS))
-    if shadowed:
-        errors.append(
-            FieldError(
-                "engine_extras",
-                f"engine_extras must not set profile fields ({', '.join(shadowed)}): set them as settings",
-            )
-        )
     return errors
 
 

@@ -21,6 +21,7 @@ from sqlmodel import Session, col, select
 from app.audit import service as audit
 from app.db import utcnow
 from app.errors import Conflict, FieldError, InvalidFields
+from app.profiles.engine_options import extras_errors
 from app.profiles.models import Profile
 from app.profiles.schemas import (
     DEFAULT_MODEL_MAX_CONTEXT,
@@ -156,8 +157,10 @@ class ProfileService:
     # Writing
 
     def _write_errors(self, settings: ProfileSettings) -> list[FieldError]:
-        return settings_errors(settings) + host_errors(
-            settings, inspect_model(self.models_dir, settings.model).max_context
+        return (
+            settings_errors(settings)
+            + extras_errors(settings.engine_extras, SETTINGS)
+            + host_errors(settings, inspect_model(self.models_dir, settings.model).max_context)
         )
 
     def _insert(self, actor: str, action: str, profile: Profile, parent: Profile | None, **extra: Any) -> Profile:
@@ -271,7 +274,7 @@ class ProfileService:
             except msgspec.ValidationError as exc:
                 raise ValueError(f"seed profile {path}: {exc}") from exc
             settings = ProfileSettings(**{f: getattr(data, f) for f in SETTINGS})
-            errors = name_errors(data.name) + settings_errors(settings)
+            errors = name_errors(data.name) + settings_errors(settings) + extras_errors(data.engine_extras, SETTINGS)
             if data.name != path.stem:
                 errors.append(FieldError("name", f"name must match the file name {path.stem!r}, got {data.name!r}"))
             if errors:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import socket
@@ -38,25 +39,65 @@ ABORT_WAIT_S = 5.0  # after aborting, how long responses get to say so before co
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="Flashgate's DeepSeek-V4 engine")
+    # No abbreviations: `--mod` must not be taken for `--model` (a console passes profile extras through as flags).
+    parser = argparse.ArgumentParser(
+        prog="python -m engine", description="Flashgate's DeepSeek-V4 engine", allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
-        kind = hints[field.name]
-        options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
-        base = next(t for t in options if t is not type(None))
-        help_text = field.metadata["help"]
-        if base is bool:
-            serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
-        elif field.default is dataclasses.MISSING:
-            serve.add_argument(flag, type=base, required=True, help=help_text)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API over HTTP", allow_abbrev=False)
+    serve.add_argument(
+        "--help-json",
+        action=_PrintOptions,
+        help="print the serve options as JSON (name, flag, type, nullable, required, default, help) and exit",
+    )
+    for option in serve_options():
+        flag, help_text = option["flag"], option["help"]
+        if option["type"] == "bool":
+            serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=option["default"], help=help_text)
+        elif option["required"]:
+            serve.add_argument(flag, type=_TYPES[option["type"]], required=True, help=help_text)
         else:
-            parse = _or_none(base) if type(None) in options else base
-            shown = "" if field.default is None else f" [{field.default}]"
-            serve.add_argument(flag, type=parse, default=field.default, help=help_text + shown)
+            base = _TYPES[option["type"]]
+            parse = _or_none(base) if option["nullable"] else base
+            shown = "" if option["default"] is None else f" [{option['default']}]"
+            serve.add_argument(flag, type=parse, default=option["default"], help=help_text + shown)
     return parser
+
+
+_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def serve_options() -> list[dict[str, typing.Any]]:
+    """`serve`'s options, one per EngineConfig field: what `--help-json` publishes, so that a program driving the
+    engine (the console) checks its flags without importing it. `nullable`: the word `none` sets it unset."""
+    hints = typing.get_type_hints(EngineConfig)
+    options = []
+    for field in dataclasses.fields(EngineConfig):
+        kind = hints[field.name]
+        members = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        base = next(t for t in members if t is not type(None))
+        required = field.default is dataclasses.MISSING
+        options.append(
+            {
+                "name": field.name,
+                "flag": "--" + field.name.replace("_", "-"),
+                "type": base.__name__,
+                "nullable": type(None) in members,
+                "required": required,
+                "default": None if required else field.default,
+                "help": field.metadata["help"],
+            }
+        )
+    return options
+
+
+class _PrintOptions(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: typing.Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(json.dumps({"command": "serve", "options": serve_options()}, indent=1))
+        parser.exit()
 
 
 def _or_none(base: type) -> typing.Callable[[str], object]:

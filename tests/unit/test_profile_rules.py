@@ -58,7 +58,6 @@ def test_a_valid_profile_has_no_errors():
         ({"model": "/models/tiny"}, "model", ["relative path under FLASHGATE_MODELS_DIR", "not absolute"]),
         ({"model": "../elsewhere"}, "model", ["no '..'"]),
         ({"model": ""}, "model", ["not empty"]),
-        ({"engine_extras": {"max_num_seqs": 8}}, "engine_extras", ["must not set profile fields (max_num_seqs)"]),
     ],
 )
 def test_each_rule_names_its_field_and_limit(changes, field, words):
