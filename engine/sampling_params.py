@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.sampler import Constraint
 
+# Below this temperature sampling is greedy: dividing logits by it would overflow fp32 to inf, and the softmax of
+# such logits is NaN (vLLM draws the same line).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+SEED_RANGE = range(-(1 << 63), 1 << 64)
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_tokens: int = 16
@@ -26,8 +33,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -38,7 +45,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and self.seed not in SEED_RANGE:
+            raise ValueError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 import tokenizers
@@ -60,8 +61,19 @@ class Tokenizer:
         """Ids the tokenizer knows, added tokens included (a checkpoint may pad its embedding beyond this)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token's piece is written with (a byte-level piece's characters are each
+        one byte or more of it): no text of more than `n * max_token_bytes` bytes encodes to n tokens or fewer. A
+        normalizer may shorten text before it is split, Unicode NFKC by at most 3x (a 3-byte fullwidth letter to one
+        byte), hence the factor."""
+        longest = max(len(piece.encode()) for piece in self._tok.get_vocab(with_added_tokens=True))
+        return longest * (1 if self._tok.normalizer is None else 3)
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # The batch call releases the GIL while it works (a single encode holds it, stalling every other thread of
+        # the server for as long as a long prompt takes: seconds for megabytes).
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self._bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

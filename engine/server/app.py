@@ -1,7 +1,8 @@
 """The HTTP API (Litestar): the OpenAI-compatible endpoints (chat completions, completions, the Responses API's
 stateless subset), /health, /server_info and /metrics.
 
-Generation requests are checked and tokenized off the event loop, then handed to the engine loop; a whole response
+Generation requests are parsed, checked and tokenized off the event loop (the tokenizer releases the GIL, so neither
+the loop nor the engine's thread waits for a long prompt), then handed to the engine loop; a whole response
 waits for the request's last output, a stream sends each as server-sent events ending in `data: [DONE]`. A client
 that goes away, mid-stream or while waiting, aborts its request at once, which frees its KV pages.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -26,13 +26,20 @@ from engine.llm_engine import RequestOutput
 from engine.server.engine_loop import EngineLoop, RequestFailed, RequestStream
 from engine.server.grammar import Grammars
 from engine.server.metrics import Metrics
-from engine.server.protocol import ApiError, GenerationRequest, Limits, invalid, parse_chat, parse_completion
+from engine.server.protocol import (
+    ApiError,
+    GenerationRequest,
+    Limits,
+    body_bytes_limit,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
 from engine.server.responses import ChatFormatter, CompletionFormatter
 from engine.server.responses_api import ResponsesFormatter, parse_responses
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
-MAX_BODY_BYTES = 256 << 20  # a 1M-token conversation as JSON, with room to spare
 RETRY_AFTER_S = "1"
 
 
@@ -53,6 +60,7 @@ class Served:
 
 def create_app(served: Served) -> Litestar:
     loop, limits = served.loop, served.limits
+    max_body_bytes = body_bytes_limit(limits, served.tokenizer)
 
     def check_admitting() -> None:
         if loop.failure is not None:
@@ -81,13 +89,13 @@ def create_app(served: Served) -> Litestar:
         request: Request, parse: Callable[..., GenerationRequest], formatter: type, prefix: str
     ) -> Response | Stream:
         check_admitting()
-        body = await _json_body(request)
-        # Long prompts tokenize, and output grammars compile, slowly: off the event loop.
-        generation = await asyncio.to_thread(parse, body)
-        if loop.num_waiting >= served.max_waiting_requests:
+        raw = await request.body()
+        # Long bodies parse, long prompts tokenize, and output grammars compile, slowly: off the event loop.
+        generation = await asyncio.to_thread(lambda: parse(parse_body(raw)))
+        if (waiting := loop.num_waiting) >= served.max_waiting_requests:
             raise ApiError(
                 429,
-                f"{loop.num_waiting} requests are waiting; max_waiting_requests is {served.max_waiting_requests}",
+                f"{waiting} requests are waiting; max_waiting_requests is {served.max_waiting_requests}",
                 code="queue_full",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
@@ -126,24 +134,22 @@ def create_app(served: Served) -> Litestar:
         parse = functools.partial(parse_responses, tokenizer=served.tokenizer, limits=limits, grammars=served.grammars)
         return await generate(request, parse, ResponsesFormatter, "resp")
 
+    def http_error(request: Request, error: HTTPException) -> Response:
+        if error.status_code == 413:
+            message = (
+                f"the request body is larger than {max_body_bytes} bytes, the most a prompt of context_length "
+                f"{limits.context_length} tokens takes as JSON"
+            )
+            return _api_error(request, ApiError(413, message, code="request_too_large"))
+        return _http_error(request, error)
+
     return Litestar(
         route_handlers=[health, models, server_info, metrics, chat_completions, completions, responses],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
-        request_max_body_size=MAX_BODY_BYTES,
+        exception_handlers={ApiError: _api_error, HTTPException: http_error, Exception: _unexpected_error},
+        request_max_body_size=max_body_bytes,
         openapi_config=None,
         logging_config=None,
     )
-
-
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as error:
-        raise invalid(f"the request body is not valid JSON: {error}", None, "invalid_json") from error
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", None, "invalid_request_body")
-    return body
 
 
 async def _final_output(stream: RequestStream, request: Request, loop: EngineLoop) -> RequestOutput:
@@ -199,12 +205,14 @@ def _api_error(_: Request, error: ApiError) -> Response:
 
 
 def _http_error(request: Request, error: HTTPException) -> Response:
-    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status_code)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
     return _api_error(
         request, ApiError(error.status_code, f"{error.detail} ({request.method} {request.url.path})", code=code)
     )
 
 
 def _unexpected_error(request: Request, error: Exception) -> Response:
+    # A bug: its traceback goes to the log, not to the client.
     log.exception("request_failed", path=request.url.path, error=repr(error))
-    return _api_error(request, ApiError(500, f"internal error: {error!r}", code="internal_error"))
+    message = f"internal error ({type(error).__name__}); the engine's log has it as request_failed"
+    return _api_error(request, ApiError(500, message, code="internal_error"))

@@ -13,10 +13,18 @@ silently ignored. Chat requests as agents send them (docs/agent-api.md):
   (grammar.py). `max_completion_tokens` wins over `max_tokens`.
 - Thinking is off unless `reasoning_effort`, `chat_template_kwargs.thinking` / `.enable_thinking` or a top-level
   `enable_thinking` asks for it.
+
+What one request may cost is bounded before the costly part (docs/agent-api.md, "Limits"): the body's JSON nests at
+most `MAX_JSON_DEPTH` levels and holds no NaN/Infinity and no lone UTF-16 surrogate (each refused naming its path);
+a prompt whose UTF-8 text is longer than the context could hold (`prompt_bytes_limit`) is refused before it is
+tokenized; at most `MAX_STOP_STRINGS` stop strings of at most `MAX_STOP_STRING_CHARS` characters each.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +36,15 @@ from engine.server.tool_calls import ToolsError, parse_tool_policy
 from engine.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_JSON_DEPTH = 64
+# A UTF-8 byte of text takes at most 6 bytes of JSON (a control byte as \u00XX); the fixed part covers the fields
+# around the text (sampling parameters, schemas).
+JSON_BYTES_PER_TEXT_BYTE = 6
+BODY_BYTES_FIXED = 1 << 20
+# Python's json decodes "\ud83d\ude00" to one character, so a surrogate left in a string is a lone one.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -64,6 +81,53 @@ class Limits:
     context_length: int
     kv_capacity_tokens: int
     vocab_size: int
+
+
+def prompt_bytes_limit(limits: Limits, tokenizer: Tokenizer) -> int:
+    """A prompt's UTF-8 text of more bytes than this has more tokens than the context holds."""
+    return limits.context_length * tokenizer.max_token_bytes
+
+
+def body_bytes_limit(limits: Limits, tokenizer: Tokenizer) -> int:
+    """The largest request body that can hold a prompt the context admits."""
+    return JSON_BYTES_PER_TEXT_BYTE * prompt_bytes_limit(limits, tokenizer) + BODY_BYTES_FIXED
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object whose every value the engine can take (see the module's docstring)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError as error:
+        raise _too_deep("the top") from error
+    except ValueError as error:
+        raise invalid(f"the request body is not valid JSON: {error}", None, "invalid_json") from error
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None, "invalid_request_body")
+    pending: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while pending:
+        value, where, depth = pending.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise invalid(f"{where} holds a lone UTF-16 surrogate, which is not text", where)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise invalid(f"{where} must be a finite number, got {value}", where)
+        elif isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep(where)
+            if isinstance(value, list):
+                pending += ((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+                continue
+            for key, item in value.items():
+                inner = f"{where}.{key}" if where else key
+                if _LONE_SURROGATE.search(key):
+                    raise invalid(f"a key in {where or 'the body'} holds a lone UTF-16 surrogate", where or None)
+                pending.append((item, inner, depth + 1))
+    return body
+
+
+def _too_deep(where: str) -> ApiError:
+    return invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at {where})", None, "invalid_json")
 
 
 @dataclass
@@ -105,6 +169,7 @@ def parse_chat(
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise invalid(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    _check_prompt_bytes(text, "messages", tokenizer, limits)
     prompt_ids = tokenizer.encode(text)  # the encoder wrote BOS as text; it encodes to its one id
     max_tokens_field = next(
         (f for f in ("max_completion_tokens", "max_output_tokens") if body.get(f) is not None), "max_tokens"
@@ -140,6 +205,7 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limi
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
+        _check_prompt_bytes(prompt, "prompt", tokenizer, limits)
         prompt_ids = tokenizer.encode(prompt, add_bos=True)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < limits.vocab_size), None)
@@ -181,11 +247,15 @@ def _generation(
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise invalid("stop must be a non-empty string or an array of them", "stop")
+    if stop and len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+    if stop and (longest := max(len(s) for s in stop)) > MAX_STOP_STRING_CHARS:
+        raise invalid(f"a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed", "stop")
     top_k = _optional(body, "top_k", int)
     try:
         params = SamplingParams(
-            temperature=float(_optional(body, "temperature", float, default=1.0)),
-            top_p=float(_optional(body, "top_p", float, default=1.0)),
+            temperature=_real(body, "temperature", 1.0),
+            top_p=_real(body, "top_p", 1.0),
             top_k=0 if top_k in (None, -1) else top_k,  # -1 is vLLM's "off"
             max_tokens=max_tokens,
             stop=stop or [],
@@ -229,6 +299,18 @@ def fit_max_tokens(
         room,
         f'299 - "{max_tokens_field} {requested} clamped to {room}: the prompt has {prompt_len} tokens and {limit}"',
     )
+
+
+def _check_prompt_bytes(text: str, field: str, tokenizer: Tokenizer, limits: Limits) -> None:
+    """Refuse, before tokenizing it, a prompt too long for the context whatever its tokens."""
+    limit = prompt_bytes_limit(limits, tokenizer)
+    if (size := len(text.encode(errors="surrogatepass"))) > limit:
+        raise invalid(
+            f"the prompt is {size} bytes of UTF-8: more than context_length {limits.context_length} tokens can hold "
+            f"(a token is at most {tokenizer.max_token_bytes} bytes here, so at most {limit} bytes)",
+            field,
+            "context_length_exceeded",
+        )
 
 
 def _check_model(body: Any, limits: Limits) -> None:
@@ -311,6 +393,15 @@ def _token_ids(body: Mapping[str, Any], name: str, limits: Limits) -> list[int]:
     ):
         raise invalid(f"{name} must be an array of token ids below {limits.vocab_size}", name)
     return ids
+
+
+def _real(body: Mapping[str, Any], name: str, default: float) -> float:
+    """A number field as a float; an integer too large for one is refused rather than overflowing."""
+    value = _optional(body, name, float, default=default)
+    try:
+        return float(value)
+    except OverflowError as error:
+        raise invalid(f"{name} must be a finite number, got an integer of {value.bit_length()} bits", name) from error
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object"}

@@ -139,7 +139,20 @@ def _tool(raw: Any, where: str) -> Tool:
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, Mapping):
-        raise ToolsError(f"{where}.function.parameters must be a JSON Schema object", where)
+        raise ToolsError(f"{where}.function.parameters must be a JSON Schema object", f"{where}.function.parameters")
+    properties, required = parameters.get("properties"), parameters.get("required")
+    if properties is not None and not (
+        isinstance(properties, Mapping) and all(isinstance(p, Mapping | bool) for p in properties.values())
+    ):
+        raise ToolsError(
+            f"{where}.function.parameters.properties must be an object of JSON Schemas",
+            f"{where}.function.parameters.properties",
+        )
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise ToolsError(
+            f"{where}.function.parameters.required must be an array of property names",
+            f"{where}.function.parameters.required",
+        )
     return Tool(name, parameters, function.get("strict") is True)
 
 
