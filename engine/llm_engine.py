@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from engine.config import EngineConfig
@@ -30,7 +31,10 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob
 from engine.tokenizer import Tokenizer
 
+log = structlog.get_logger(__name__)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Whole steps failing this many times in a row mean the engine, not a request, is broken: it stops.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -47,6 +51,7 @@ class RequestOutput:
     new_text: str = ""  # what this step added to `text`
     new_token_ids: tuple[int, ...] = ()
     new_logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None  # with finish_reason "error": what failed
 
     @property
     def finished(self) -> bool:
@@ -71,6 +76,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # the step on the device whose tokens are still to be read
         self.overlap = True  # False: read every step's tokens before the next is scheduled (tests compare the two)
+        self.failed_steps = 0  # steps in a row that failed as a whole
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -112,10 +118,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Queue the next batch, then read the tokens of the one before it (and of this one when it samples on the
-        host, or without overlap); an output for every request that got a token."""
+        host, or without overlap); an output for every request that got a token, or that failed.
+
+        A request's failure is its own: one whose sampling or text fails ends with finish_reason "error" and the
+        others go on. A step that fails as a whole fails the requests it held, not the engine, unless the device
+        itself is broken (a CUDA error is sticky: synchronizing raises it again) or MAX_FAILED_STEPS steps in a
+        row fail, which no request's input explains."""
         work = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
-        launched = self.runner.launch(work, previous) if work else None
+        try:
+            launched = self.runner.launch(work, previous) if work else None
+        except Exception as error:
+            self.runner.synchronize()
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            outputs = self._read(previous) if previous is not None else []
+            return outputs + [self._fail(item.seq, error) for item in work if not item.seq.finished]
+        self.failed_steps = 0
         outputs = self._read(previous) if previous is not None else []
         if launched is not None:
             if launched.on_device and self.overlap:
@@ -126,11 +146,26 @@ class LLMEngine:
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
         outputs = []
-        for seq, (token, logprob) in zip(step.seqs, step.results(), strict=True):
+        for seq, result in zip(step.seqs, step.results(), strict=True):
             seq.num_in_flight -= 1
-            if not seq.finished:  # else it finished (or was aborted) before this step was read: the token is dropped
-                outputs.append(self._append(seq, token, logprob))
+            if seq.finished:  # it finished (or was aborted) before this step was read: the token is dropped
+                continue
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                outputs.append(self._append(seq, *result))
+            except Exception as error:
+                outputs.append(self._fail(seq, error))
         return outputs
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End one request that failed inside the engine: its pages go back, its output says why."""
+        log.exception("request_error", request_id=seq.request_id, error=repr(error), exc_info=error)
+        self.sequences.pop(seq.request_id, None)
+        self.scheduler.finish(seq, "error")
+        output = self._output(seq, "error", "", ())
+        output.error = f"{type(error).__name__}: {error}"
+        return output
 
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """End a request now and free its pages; its final output (with `reason`), or None if it was not in flight."""
@@ -148,23 +183,24 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         before = len(seq.text)
-        seq.text += seq.detokenizer.step(token)
-        reason = None
-        if (token == self.tokenizer.eos_id and not params.ignore_eos) or token in params.stop_token_ids:
+        delta = seq.detokenizer.step(token)
+        seq.text += delta
+        reason = cut = None
+        if (token == self.tokenizer.eos_id and not params.ignore_eos) or token in seq.stop_token_ids:
             reason = "stop"
-        elif stop := next((s for s in params.stop if s in seq.text[max(0, before - len(s) + 1) :]), None):
-            seq.text = seq.text[: seq.text.index(stop, max(0, before - len(stop) + 1))]
+        elif (cut := seq.stop_strings.feed(delta)) is not None:
+            seq.text = seq.text[: before + cut]
             reason = "stop"
         elif len(seq.output_ids) >= seq.max_output:
             reason = "length"
         if reason is not None:
-            if not params.stop or not any(s in seq.text for s in params.stop):
+            if cut is None:
                 seq.text += seq.detokenizer.flush()  # the last bytes of a cut character, if any
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
         # A delta never holds text that a stop string may still cut away, so streamed text equals the final text.
         sent = seq.num_text_sent
-        seq.num_text_sent = max(sent, len(seq.text) - (0 if reason else _stop_prefix_length(seq.text, params.stop)))
+        seq.num_text_sent = max(sent, len(seq.text) - (0 if reason else seq.stop_strings.held_back))
         output = self._output(seq, reason, seq.text[sent : seq.num_text_sent], (token,))
         output.new_logprobs = (logprob,) if logprob is not None else ()
         return output
@@ -181,8 +217,3 @@ class LLMEngine:
             new_text=new_text,
             new_token_ids=new_token_ids,
         )
-
-
-def _stop_prefix_length(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that is the start of a stop string."""
-    return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)

@@ -16,6 +16,7 @@ import torch
 from engine.cache.pool import PageTable
 from engine.model.state import SequenceState
 from engine.sampling_params import SamplingParams
+from engine.stop_strings import StopStrings
 from engine.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
@@ -54,9 +55,13 @@ class Sequence:
     num_in_flight: int = 0  # sampled tokens still on the device, not yet in `output_ids`
     # The most tokens it may generate: max_tokens, lowered by the engine so the request fits its context.
     max_output: int = field(init=False)
+    stop_token_ids: frozenset[int] = field(init=False)
+    stop_strings: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_output = self.params.max_tokens
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
+        self.stop_strings = StopStrings(self.params.stop)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
