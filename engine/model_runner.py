@@ -405,11 +405,20 @@ class ModelRunner:
             # Plain greedy: the argmax stays on the device for the next step; the host reads M ids, not M x vocab.
             return LaunchedStep(sampled, tokens=logits.argmax(dim=-1), pin_memory=self.pin_memory)
         logits = logits.cpu()
-        remaining = [seq.params.max_tokens - len(seq.output_ids) for seq in sampled]
-        return LaunchedStep(sampled, results=[
-            sample(logits[row], seq.params, seq.generator, left)
-            for row, (seq, left) in enumerate(zip(sampled, remaining, strict=True))
-        ])  # fmt: skip
+        results: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for row, seq in enumerate(sampled):
+            try:
+                results.append(
+                    sample(logits[row], seq.params, seq.generator, seq.params.max_tokens - len(seq.output_ids))
+                )
+            except Exception as error:  # its grammar or its numbers: this request fails alone (llm_engine.py)
+                results.append(error)
+        return LaunchedStep(sampled, results=results)
+
+    def synchronize(self) -> None:
+        """Wait for the device; a broken one (a sticky CUDA error) raises here."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 class LaunchedStep:
@@ -421,7 +430,7 @@ class LaunchedStep:
         self,
         seqs: list[Sequence],
         tokens: torch.Tensor | None = None,
-        results: list[tuple[int, TokenLogprob | None]] | None = None,
+        results: list[tuple[int, TokenLogprob | None] | Exception] | None = None,
         pin_memory: bool = False,
     ):
         self.seqs, self.tokens, self._results = seqs, tokens, results
@@ -438,8 +447,9 @@ class LaunchedStep:
         """Its tokens are still to be read: the host may queue the next step first."""
         return self._results is None
 
-    def results(self) -> list[tuple[int, TokenLogprob | None]]:
-        """(token, logprob record) per request of `seqs`; waits for this step's tokens, not for later steps."""
+    def results(self) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """(token, logprob record) per request of `seqs`, or what failed its sampling; waits for this step's tokens,
+        not for later steps."""
         if self._results is None:
             if self._done is not None:
                 self._done.synchronize()

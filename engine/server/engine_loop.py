@@ -103,8 +103,13 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Requests submitted and not running: queued here or in the scheduler (as of the last step)."""
-        return max(0, self._unfinished - self.stats.running)
+        """Requests that will wait for a running slot: those the scheduler holds waiting (as of the last step) and
+        those submitted since, beyond the slots still free. While the scheduler holds none waiting, a new request
+        takes a free slot of the max_num_seqs, so only what passes them waits."""
+        stats, unfinished = self.stats, self._unfinished
+        if stats.waiting:
+            return max(0, unfinished - stats.running)
+        return max(0, unfinished - self.engine.config.max_num_seqs)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """From the event loop: queue a request; its outputs arrive on the returned stream."""
@@ -162,8 +167,10 @@ class EngineLoop:
     def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tracked: _Tracked) -> None:
         try:
             self.engine.add_request(prompt_ids, params, request_id)
-        except ValueError as error:  # the server checks first, so this is a bug: still answer the request
-            tracked.stream.put(RequestFailed(400, str(error)))
+        except Exception as error:  # the server checks first, so this is a bug: answer the request, keep serving
+            log.exception("request_error", request_id=request_id, error=repr(error))
+            status = 400 if isinstance(error, ValueError) else 500
+            tracked.stream.put(RequestFailed(status, f"the engine could not take the request: {error}"))
             self._finished()
             return
         tracked.prompt_tokens = len(prompt_ids)
@@ -193,6 +200,12 @@ class EngineLoop:
     def _deliver(self, output: RequestOutput) -> None:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
+            return
+        if output.error is not None:  # this request alone failed (the engine logged why): it gets a 500
+            del self._tracked[output.request_id]
+            message = f"the request failed inside the engine ({output.error}); the engine serves on"
+            tracked.stream.put(RequestFailed(500, message))
+            self._finished()
             return
         now = time.monotonic()
         if tracked.first_token is None:
