@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import structlog
@@ -39,6 +40,7 @@ from app.engine_control.process_driver import ProcessDriver
 from app.engine_control.supervisor import Supervisor
 from app.logging import RequestLogMiddleware
 from app.profiles.controller import ProfileController
+from app.profiles.engine_options import warm_engine_options
 from app.profiles.pages import ProfilePages
 from app.profiles.service import ProfileService
 from app.promotion.controller import DecisionController, RouteController
@@ -109,6 +111,8 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
     watch = ProductionWatch(settings, engine, slot, promoter, route)
 
     def start_background_work() -> None:
+        # The engine's options, asked once, in the background: the first profile write then need not wait for it.
+        threading.Thread(target=warm_engine_options, name="engine-options", daemon=True).start()
         supervisor.recover()
         qualifier.recover()
         promoter.recover()
@@ -192,7 +196,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         state=State(
             {
                 "settings": settings,
-                "supervisor": supervisor,
+                "slot": slot,
                 "telemetry": telemetry,
                 "checkpoint": checkpoint,
                 "qualifier": qualifier,

@@ -15,11 +15,11 @@ from app.auth.guards import requires_operator, requires_viewer
 from app.engine_control import service
 from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.schemas import EngineRead, LogTail, RestartRequest, RunRead, StartRequest
-from app.engine_control.supervisor import Supervisor
+from app.qualification.slot import EngineSlot
 
 
-def provide_supervisor(state: State) -> Supervisor:
-    return state.supervisor
+def provide_slot(state: State) -> EngineSlot:
+    return state.slot
 
 
 def provide_checkpoint(state: State) -> TinyCheckpoint:
@@ -27,7 +27,7 @@ def provide_checkpoint(state: State) -> TinyCheckpoint:
 
 
 ENGINE_DEPENDENCIES = {
-    "supervisor": Provide(provide_supervisor, sync_to_thread=False),
+    "slot": Provide(provide_slot, sync_to_thread=False),
     "checkpoint": Provide(provide_checkpoint, sync_to_thread=False),
 }
 
@@ -42,12 +42,12 @@ class EngineController(Controller):
     def get_engine(
         self,
         db_session: NamedDependency[Session],
-        supervisor: NamedDependency[Supervisor],
+        slot: NamedDependency[EngineSlot],
         checkpoint: NamedDependency[TinyCheckpoint],
     ) -> EngineRead:
         """The engine's state (`idle` before any run, else the latest run's), its profile, boot stages, pid or
         container, KV capacity from /server_info, and the last error with the last log lines."""
-        return service.engine_status(db_session, supervisor, checkpoint)
+        return service.engine_status(db_session, slot, checkpoint)
 
     @post(
         "/start",
@@ -60,29 +60,33 @@ class EngineController(Controller):
         self,
         request: Request,
         db_session: NamedDependency[Session],
-        supervisor: NamedDependency[Supervisor],
+        slot: NamedDependency[EngineSlot],
         checkpoint: NamedDependency[TinyCheckpoint],
         data: JSONBody[StartRequest],
     ) -> EngineRead:
         """Preflight, then start the engine with a profile; answers at once with state `starting` (poll
         `GET /api/engine` for `ready`). 409 with the reason when an engine already runs or the preflight refuses
-        (each check is in `extra`); 404 for an unknown profile."""
-        supervisor.start(request.user.name, data.profile)
-        return service.engine_status(db_session, supervisor, checkpoint)
+        (each check is in `extra`); 404 for an unknown profile; 423 naming the holder while a qualification run, a
+        switch or the production watch holds the engine."""
+        with slot.holding(f"{request.user.name}'s start"):
+            slot.supervisor.start(request.user.name, data.profile)
+        return service.engine_status(db_session, slot, checkpoint)
 
     @post("/stop", guards=[requires_operator], operation_id="stopEngine", status_code=HTTP_200_OK, sync_to_thread=True)
     def stop(
         self,
         request: Request,
         db_session: NamedDependency[Session],
-        supervisor: NamedDependency[Supervisor],
+        slot: NamedDependency[EngineSlot],
         checkpoint: NamedDependency[TinyCheckpoint],
     ) -> EngineRead:
         """SIGTERM, up to FLASHGATE_ENGINE_GRACE_S to finish, then a kill; answers when the engine is gone, with
         whether the GPU memory came back. 409 when no engine runs. Production stopped here stays stopped when the
-        console restarts (`keep_stopped`)."""
-        supervisor.stop(request.user.name, keep_stopped=True)
-        return service.engine_status(db_session, supervisor, checkpoint)
+        console restarts (`keep_stopped`). 423 naming the holder while a run, a switch or the watch holds the
+        engine: what they displaced comes back when they finish."""
+        with slot.holding(f"{request.user.name}'s stop"):
+            slot.supervisor.stop(request.user.name, keep_stopped=True)
+        return service.engine_status(db_session, slot, checkpoint)
 
     @post(
         "/restart",
@@ -95,14 +99,16 @@ class EngineController(Controller):
         self,
         request: Request,
         db_session: NamedDependency[Session],
-        supervisor: NamedDependency[Supervisor],
+        slot: NamedDependency[EngineSlot],
         checkpoint: NamedDependency[TinyCheckpoint],
         data: JSONBody[RestartRequest | None] = None,
     ) -> EngineRead:
         """Stop the running engine (if any) and start `profile`, by default (or with no body) the latest run's
-        profile. The profile's own checks come first: a refused restart leaves the running engine alone."""
-        supervisor.restart(request.user.name, data.profile if data else None)
-        return service.engine_status(db_session, supervisor, checkpoint)
+        profile. The profile's own checks come first: a refused restart leaves the running engine alone. 423 naming
+        the holder while a run, a switch or the watch holds the engine."""
+        with slot.holding(f"{request.user.name}'s restart"):
+            slot.supervisor.restart(request.user.name, data.profile if data else None)
+        return service.engine_status(db_session, slot, checkpoint)
 
     @get("/runs", operation_id="listEngineRuns", sync_to_thread=True)
     def list_runs(

@@ -21,9 +21,9 @@ from app.console import redirect
 from app.engine_control import service
 from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.schemas import RunRead
-from app.engine_control.supervisor import Supervisor
 from app.errors import FieldError, InvalidFields
 from app.profiles.service import ProfileService
+from app.qualification.slot import EngineSlot
 from app.route.service import alerts
 from app.settings import Settings
 from app.telemetry.gpus import GIB, GpuSnapshot
@@ -40,7 +40,7 @@ LOG_PAGE_LINES = 500
 class Dashboard:
     session: Session
     settings: Settings
-    supervisor: Supervisor
+    slot: EngineSlot
     checkpoint: TinyCheckpoint
     telemetry: Telemetry
 
@@ -83,7 +83,7 @@ class Dashboard:
 
     def context(self, selected: str | None = None) -> dict[str, Any]:
         """Everything the live partial shows; `selected` keeps the operator's choice of profile across refreshes."""
-        engine = service.engine_status(self.session, self.supervisor, self.checkpoint)
+        engine = service.engine_status(self.session, self.slot, self.checkpoint)
         run = engine.run
         latest = self.telemetry.latest()
         reading = latest.engine if latest and latest.engine and run and latest.engine.run_id == run.id else None
@@ -111,7 +111,7 @@ class Dashboard:
 
 
 def provide_dashboard(db_session: NamedDependency[Session], state: State) -> Dashboard:
-    return Dashboard(db_session, state.settings, state.supervisor, state.checkpoint, state.telemetry)
+    return Dashboard(db_session, state.settings, state.slot, state.checkpoint, state.telemetry)
 
 
 class DashboardPages(Controller):
@@ -137,17 +137,20 @@ class DashboardPages(Controller):
     ) -> Response:
         if not (profile := data.get("profile", "").strip()):
             raise InvalidFields([FieldError("profile", "profile is required: choose the profile to start")])
-        dashboard.supervisor.start(request.user.name, profile)
+        with dashboard.slot.holding(f"{request.user.name}'s start"):
+            dashboard.slot.supervisor.start(request.user.name, profile)
         return dashboard.after_command(request)
 
     @post("/engine/stop", guards=[requires_operator], status_code=HTTP_200_OK, sync_to_thread=True)
     def stop(self, request: HTMXRequest, dashboard: NamedDependency[Dashboard]) -> Response:
-        dashboard.supervisor.stop(request.user.name, keep_stopped=True)
+        with dashboard.slot.holding(f"{request.user.name}'s stop"):
+            dashboard.slot.supervisor.stop(request.user.name, keep_stopped=True)
         return dashboard.after_command(request)
 
     @post("/engine/restart", guards=[requires_operator], status_code=HTTP_200_OK, sync_to_thread=True)
     def restart(self, request: HTMXRequest, dashboard: NamedDependency[Dashboard]) -> Response:
-        dashboard.supervisor.restart(request.user.name, None)
+        with dashboard.slot.holding(f"{request.user.name}'s restart"):
+            dashboard.slot.supervisor.restart(request.user.name, None)
         return dashboard.after_command(request)
 
     @get("/engine/runs/{run_id:int}", sync_to_thread=True)

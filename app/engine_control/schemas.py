@@ -98,6 +98,9 @@ class EngineRead(msgspec.Struct, kw_only=True):
     profile: str | None
     run: RunRead | None
     demo_checkpoint: CheckpointRead
+    # Who holds the engine now (a qualification run, a switch, the watch, an operator's command), with since when;
+    # start, stop and restart answer 423 meanwhile.
+    held_by: str | None = None
 
 
 class LogTail(msgspec.Struct):

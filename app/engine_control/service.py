@@ -21,8 +21,8 @@ from app.engine_control.schemas import (
     PreflightCheckRead,
     RunRead,
 )
-from app.engine_control.supervisor import Supervisor
 from app.profiles.models import Profile
+from app.qualification.slot import EngineSlot
 
 
 def _stage(entry: dict, started_at: datetime) -> BootStageRead:
@@ -86,8 +86,9 @@ def read_checkpoint(checkpoint: TinyCheckpoint) -> CheckpointRead:
     return CheckpointRead(status.state, str(status.path), status.started_at, status.finished_at, status.detail)
 
 
-def engine_status(session: Session, supervisor: Supervisor, checkpoint: TinyCheckpoint) -> EngineRead:
+def engine_status(session: Session, slot: EngineSlot, checkpoint: TinyCheckpoint) -> EngineRead:
     latest = next(iter(list_runs(session, 1)), None)
+    supervisor, holder = slot.supervisor, slot.holder
     return EngineRead(
         state=latest.state if latest else IDLE,
         driver=supervisor.driver.name,
@@ -95,6 +96,7 @@ def engine_status(session: Session, supervisor: Supervisor, checkpoint: TinyChec
         profile=latest.profile if latest else None,
         run=latest,
         demo_checkpoint=read_checkpoint(checkpoint),
+        held_by=f"{holder.what} since {holder.since:%H:%M:%S} UTC" if holder else None,
     )
 
 

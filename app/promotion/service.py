@@ -52,6 +52,8 @@ from app.qualification.service import staleness
 from app.qualification.settings import QualificationSettings
 from app.qualification.slot import EngineSlot, Locked, live_engine
 from app.qualification.writes import writing
+from app.route.models import AlertLevel
+from app.route.service import raise_alert
 from app.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -617,6 +619,16 @@ class Promoter:
                 before={"status": PromotionStatus.running},
                 after={"status": status, "error": error, "downtime_s": downtime_s},
             )
+            if status is PromotionStatus.failed:
+                # Neither the target nor what served before is known to serve: operators must see it.
+                target = _name(session, promotion.target_id)
+                raise_alert(
+                    session,
+                    AlertLevel.error,
+                    target,
+                    f"the {promotion.kind} to {target!r} (switch #{promotion_id}) "
+                    f"failed: {error}. Check the engine on the dashboard.",
+                )
             session.commit()
         self.slot.release()
         log.info("promotion_finished", promotion=promotion_id, status=status, error=error, downtime_s=downtime_s)

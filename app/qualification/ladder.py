@@ -9,13 +9,14 @@ stops it, and restores it afterwards, recording the downtime.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import structlog
-from litestar.exceptions import NotFoundException
+from litestar.exceptions import HTTPException, NotFoundException
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
@@ -32,6 +33,8 @@ from app.qualification.models import Evidence, GateResult, GateStatus, Qualifica
 from app.qualification.settings import QualificationSettings
 from app.qualification.slot import EngineSlot, Started, live_engine
 from app.qualification.writes import writing
+from app.route.models import AlertLevel
+from app.route.service import raise_alert
 from app.settings import Settings
 from app.telemetry.gpus import Gpus, engine_gpu_indices
 
@@ -204,7 +207,7 @@ class Qualifier:
                         "engine_run": live[0].id,
                     }
             if disruption is not None:
-                disruption |= self._displace(run_id, actor, disruption)
+                self._displace(run_id, actor, disruption)
             self._update(run_id, status=RunStatus.starting)
             self._progress(run_id, step=f"starting the engine with {profile_name}")
             started = self.slot.start(actor, profile_name)
@@ -216,13 +219,16 @@ class Qualifier:
         finally:
             self._close(run_id, actor, engine_run_id, disruption, stop_reason)
 
-    def _displace(self, run_id: int, actor: str, disruption: dict[str, Any]) -> dict[str, Any]:
+    def _displace(self, run_id: int, actor: str, disruption: dict[str, Any]) -> None:
+        """Drain and stop what serves. The stop time is noted before the stop, so whatever ends the run afterwards,
+        its close knows to restore what it displaced."""
         self._progress(
             run_id, step=f"draining {disruption['profile']} (up to {self.qualification.drain_timeout_s:g} s)"
         )
         drain = self.slot.drain(self.qualification.drain_timeout_s)
-        self.slot.stop(actor)
-        stopped = {"drain": drain, "stopped_at": utcnow().isoformat(), "stopped_monotonic": time.monotonic()}
+        disruption |= {"drain": drain, "stopped_at": utcnow().isoformat(), "stopped_monotonic": time.monotonic()}
+        with contextlib.suppress(Conflict):  # it ended by itself meanwhile: nothing left to stop
+            self.slot.stop(actor)
         with writing(self.db) as session:
             audit.record(
                 session,
@@ -232,7 +238,6 @@ class Qualifier:
                 after={"profile": disruption["profile"], "production": disruption["production"], "drain": drain},
             )
             session.commit()
-        return stopped
 
     def _ladder(self, run_id: int, profile_name: str, started: Started) -> str | None:
         """Run the gates in order; returns why the ladder stopped early, or None."""
@@ -387,51 +392,69 @@ class Qualifier:
         stop_reason: str | None,
     ) -> None:
         try:
-            self._progress(run_id, step="stopping the engine")
-            with Session(self.db) as session:
-                live = live_engine(session)
-            if live is not None and live[0].id == engine_run_id:
-                self.slot.stop(SYSTEM)
+            try:
+                self._stop_own_engine(run_id, engine_run_id)
+            except Exception:  # nothing may keep the close from restoring what the run displaced
+                log.exception("qualification_stop_failed", run=run_id)
+            # Whatever ended the run, what it displaced comes back, or an alert says it could not.
             if disruption is not None and "stopped_monotonic" in disruption:
                 disruption = self._restore(run_id, actor, disruption)
-        finally:
-            with writing(self.db) as session:
-                run = session.get(QualificationRun, run_id)
-                gates = session.exec(select(GateResult).where(GateResult.run_id == run_id)).all()
-                for gate in gates:
-                    if gate.status in (GateStatus.pending, GateStatus.running):
-                        gate.status, gate.summary = GateStatus.not_run, f"not run: {stop_reason}"
-                if stop_reason is not None:
-                    status = RunStatus.aborted
-                elif any(g.status == GateStatus.failed for g in gates):
-                    status = RunStatus.failed
-                else:
-                    status = RunStatus.passed
-                before = run.status
-                run.status, run.finished_at, run.stop_reason = status, utcnow(), stop_reason
-                run.disruption = disruption
-                run.progress = {**run.progress, "step": "", "gate": None, "index": len(LADDER)}
-                audit.record(
-                    session,
-                    SYSTEM,
-                    f"qualification.{status}",
-                    run_target(run_id),
-                    before={"status": before},
-                    after={
-                        "status": status,
-                        "stop_reason": stop_reason,
-                        "passed": [g.gate for g in gates if g.status == GateStatus.passed],
-                        "failed": [g.gate for g in gates if g.status == GateStatus.failed],
-                    },
-                )
-                session.commit()
-            self.slot.release()
+            status = self._record_end(run_id, disruption, stop_reason)
             log.info("qualification_finished", run=run_id, status=status, stop_reason=stop_reason)
+        finally:
+            self.slot.release()
+
+    def _stop_own_engine(self, run_id: int, engine_run_id: int | None) -> None:
+        self._progress(run_id, step="stopping the engine")
+        with Session(self.db) as session:
+            live = live_engine(session)
+        if live is not None and live[0].id == engine_run_id:
+            try:
+                self.slot.stop(SYSTEM)
+            except HTTPException as exc:  # gone meanwhile, or the driver failed: the restore says what follows
+                log.warning("qualification_engine_not_stopped", run=run_id, detail=exc.detail)
+
+    def _record_end(self, run_id: int, disruption: dict[str, Any] | None, stop_reason: str | None) -> RunStatus:
+        with writing(self.db) as session:
+            run = session.get(QualificationRun, run_id)
+            gates = session.exec(select(GateResult).where(GateResult.run_id == run_id)).all()
+            for gate in gates:
+                if gate.status in (GateStatus.pending, GateStatus.running):
+                    gate.status, gate.summary = GateStatus.not_run, f"not run: {stop_reason}"
+            if stop_reason is not None:
+                status = RunStatus.aborted
+            elif any(g.status == GateStatus.failed for g in gates):
+                status = RunStatus.failed
+            else:
+                status = RunStatus.passed
+            before = run.status
+            run.status, run.finished_at, run.stop_reason = status, utcnow(), stop_reason
+            run.disruption = disruption
+            run.progress = {**run.progress, "step": "", "gate": None, "index": len(LADDER)}
+            audit.record(
+                session,
+                SYSTEM,
+                f"qualification.{status}",
+                run_target(run_id),
+                before={"status": before},
+                after={
+                    "status": status,
+                    "stop_reason": stop_reason,
+                    "passed": [g.gate for g in gates if g.status == GateStatus.passed],
+                    "failed": [g.gate for g in gates if g.status == GateStatus.failed],
+                },
+            )
+            session.commit()
+        return status
 
     def _restore(self, run_id: int, actor: str, disruption: dict[str, Any]) -> dict[str, Any]:
         profile = disruption["profile"]
-        self._progress(run_id, step=f"restoring {profile}")
-        started = self.slot.start(actor, profile)
+        try:
+            self._progress(run_id, step=f"restoring {profile}")
+            started = self.slot.start(actor, profile)
+        except Exception as exc:  # a bug here must still leave an alert, not a silent stranded production
+            log.exception("qualification_restore_crashed", run=run_id, profile=profile)
+            started = Started(None, False, f"the console failed starting it: {exc!r}")
         downtime = round(time.monotonic() - disruption.pop("stopped_monotonic"), 2)
         disruption |= {
             "restored": started.ready,
@@ -448,5 +471,15 @@ class Qualifier:
                 run_target(run_id),
                 after={"profile": profile, "ready": started.ready, "error": started.error, "downtime_s": downtime},
             )
+            if not started.ready:
+                role = " (production)" if disruption["production"] else ""
+                serving = " Nothing serves the route until an operator starts it." if disruption["production"] else ""
+                raise_alert(
+                    session,
+                    AlertLevel.error,
+                    profile,
+                    f"qualification run #{run_id} stopped {profile!r}{role} for its run and could not start it "
+                    f"again: {started.error}.{serving}",
+                )
             session.commit()
         return disruption

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -98,6 +100,16 @@ class EngineSlot:
     def release(self) -> None:
         with self._lock:
             self._holder = None
+
+    @contextmanager
+    def holding(self, what: str) -> Iterator[None]:
+        """Hold the engine for the length of one command (an operator's start, stop or restart): 423 naming the holder
+        while a run, a switch or the watch has it, and none of them takes it from under the command."""
+        self.acquire(what)
+        try:
+            yield
+        finally:
+            self.release()
 
     @property
     def base_url(self) -> str:

@@ -55,12 +55,14 @@ class Console:
             time.sleep(0.25)
         return body
 
-    def qualify(self, profile: str, **body) -> dict:
+    def qualify(self, profile: str, during: Callable[[], object] | None = None, **body) -> dict:
+        """Run the ladder to its end; `during` is called as soon as the run has the engine, its result kept."""
         response = self.client.post(f"/api/profiles/{profile}/qualifications", json=body, headers=ADMIN)
         assert response.status_code == 202, response.text
         started = time.monotonic()
+        seen = during() if during is not None else None
         run = self.wait(f"/api/qualifications/{response.json()['id']}", lambda b: b["status"] in FINISHED, 240)
-        run["took_s"] = time.monotonic() - started
+        run["took_s"], run["during"] = time.monotonic() - started, seen
         return run
 
     def decide(self, profile: str, **body) -> httpx.Response:
@@ -138,7 +140,23 @@ def production_a(console: Console, run_a: dict) -> dict:
 @pytest.fixture(scope="module")
 def run_b(console: Console, production_a: dict) -> dict:
     refused = console.client.post(f"/api/profiles/{B}/qualifications", json={}, headers=ADMIN)
-    run = console.qualify(B, confirm_downtime=True)
+
+    def operator_commands() -> dict:
+        """What an operator meets while the run holds the engine: its Stop, Start and Restart, and the dashboard."""
+        sign_in(console.client, "admin", ADMIN_TOKEN)
+        return {
+            "stop": console.client.post("/api/engine/stop", headers=ADMIN),
+            "restart": console.client.post("/api/engine/restart", json={}, headers=ADMIN),
+            "start": console.client.post("/api/engine/start", json={"profile": A}, headers=ADMIN),
+            "page_stop": console.client.post(
+                "/engine/stop",
+                headers={"HX-Request": "true", "X-CSRFToken": sign_in(console.client, "admin", ADMIN_TOKEN)},
+            ),
+            "engine": console.engine(),
+            "dashboard": console.client.get("/dashboard/live").text,
+        }
+
+    run = console.qualify(B, during=operator_commands, confirm_downtime=True)
     run["refused_without_confirmation"] = refused
     return run
 
@@ -295,6 +313,22 @@ def test_qualifying_while_production_serves_drains_stops_and_restores_it(console
     assert actions[-2:] == ["qualification.restore", "qualification.failed"]
 
 
+def test_an_operator_cannot_take_the_engine_from_a_run(console: Console, run_b: dict):
+    # An operator's Stop during the run used to be accepted (200): the run died on its own stop and production
+    # was never restored. While the run holds the engine, the commands answer 423 naming the holder.
+    during = run_b["during"]
+    for command in ("stop", "restart", "start"):
+        answer = during[command]
+        assert answer.status_code == 423, (command, answer.text)
+        assert f"the engine is held by qualification of '{B}'" in answer.json()["detail"], command
+    assert during["page_stop"].status_code == 423
+    assert f"the engine is held by qualification of &#39;{B}&#39;" in during["page_stop"].text
+    assert during["engine"]["held_by"].startswith(f"qualification of '{B}' since ")
+    assert f"The engine is held by qualification of &#39;{B}&#39;" in during["dashboard"]
+    assert 'action="/engine/stop"' not in during["dashboard"]
+    assert console.engine()["held_by"] is None
+
+
 def test_a_second_profile_is_promoted_then_rolled_back(console: Console, run_b: dict):
     decided = console.decide(B, decision="promote", reason="challenger", confirm=B, waivers=waivers_for(run_b))
     assert decided.status_code == 201, decided.text
@@ -379,6 +413,28 @@ def test_an_engine_that_cannot_start_stops_the_ladder_but_not_the_log_scan(conso
     refused = console.decide("tiny-q1k-broken", decision="promote", reason="try", confirm="tiny-q1k-broken")
     assert refused.status_code == 409 and "gates not run cannot be waived" in refused.json()["detail"]
     assert run["disruption"]["restored"] and console.engine()["profile"] == A
+
+
+def test_a_run_that_cannot_restore_production_raises_an_alert(console: Console):
+    # Production's weights vanish while a run holds the engine: the run aborts, its restore fails, and the alert says
+    # so instead of leaving a route that looks normal with nothing serving it.
+    weights, moved = console.models_dir / "tiny", console.models_dir / "tiny-away"
+    try:
+        run = console.qualify("tiny-q1k-broken", during=lambda: weights.rename(moved), confirm_downtime=True)
+    finally:
+        moved.rename(weights)
+    assert run["status"] == "aborted" and run["disruption"]["profile"] == A
+    assert not run["disruption"]["restored"] and "weights" in run["disruption"]["restore_error"]
+    alert = console.get("/api/route/alerts")[0]
+    assert alert["level"] == "error" and alert["profile"] == A
+    assert (
+        f"qualification run #{run['id']} stopped '{A}' (production) for its run and could not start it"
+        in (alert["message"])
+    )
+    assert console.audit(f"qualification:{run['id']}")[-2:] == ["qualification.restore_failed", "qualification.aborted"]
+    started = console.client.post("/api/engine/start", json={"profile": A}, headers=ADMIN)
+    assert started.status_code == 202, started.text
+    console.wait("/api/engine", lambda b: b["state"] == "ready", 60)
 
 
 def test_a_new_engine_build_or_new_weights_make_the_evidence_stale(
