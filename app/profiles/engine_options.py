@@ -5,6 +5,7 @@ engine takes no abbreviation, and `=` in a key would smuggle a value into the fl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import subprocess
@@ -53,6 +54,13 @@ def engine_options() -> dict[str, EngineOption]:
         raise EngineOptionsUnavailable(f"{' '.join(HELP_JSON[1:])} exited with {out.returncode}: {tail[0]}")
     published = json.loads(out.stdout)["options"]
     return {o["name"]: EngineOption(o["name"], o["flag"], o["type"], o["nullable"]) for o in published}
+
+
+def warm_engine_options() -> None:
+    """Ask the engine now, before a write opens its transaction: a SQLite snapshot held across the engine's seconds of
+    start-up could no longer be written to once another write commits meanwhile."""
+    with contextlib.suppress(EngineOptionsUnavailable):  # said as a field error if the extras need them
+        engine_options()
 
 
 def extras_errors(extras: dict[str, Any], profile_fields: tuple[str, ...]) -> list[FieldError]:

@@ -21,7 +21,7 @@ from sqlmodel import Session, col, select
 from app.audit import service as audit
 from app.db import utcnow
 from app.errors import Conflict, FieldError, InvalidFields
-from app.profiles.engine_options import extras_errors
+from app.profiles.engine_options import extras_errors, warm_engine_options
 from app.profiles.models import Profile
 from app.profiles.schemas import (
     DEFAULT_MODEL_MAX_CONTEXT,
@@ -188,6 +188,7 @@ class ProfileService:
         )
 
     def create(self, actor: str, data: ProfileCreate) -> Profile:
+        warm_engine_options()
         settings = ProfileSettings(**{f: getattr(data, f) for f in SETTINGS})
         if errors := name_errors(data.name) + self._write_errors(settings):
             raise InvalidFields(errors)
@@ -199,6 +200,7 @@ class ProfileService:
 
     def create_child(self, actor: str, parent_name: str, data: ProfileChildCreate) -> Profile:
         """A copy of the parent with the requested changes; evidence never carries over."""
+        warm_engine_options()
         parent = self.get(parent_name)
         base = settings_of(parent)
         settings = msgspec.structs.replace(base, **data.as_dict())
@@ -221,6 +223,7 @@ class ProfileService:
 
     def update(self, actor: str, name: str, data: ProfileUpdate) -> Profile:
         """Change a profile in place; refused once it has evidence (then editing means making a child)."""
+        warm_engine_options()
         profile = self.get(name)
         if profile.retired:
             raise Conflict(f"profile {name!r} is retired and cannot change; make a child of it instead")
