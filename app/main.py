@@ -26,9 +26,10 @@ from sqlmodel import Session
 from app.audit.controller import AuditController
 from app.audit.pages import AuditPages
 from app.auth.controller import OperatorController
-from app.auth.middleware import API_PREFIX, ROUTE_PREFIX, AuthenticationMiddleware
+from app.auth.middleware import API_PREFIX, ROUTE_PREFIX, AuthenticationMiddleware, security_headers
 from app.auth.pages import SignInController
 from app.auth.service import CSRF_SECRET, appliance_secret, bootstrap_admin
+from app.auth.throttle import AttemptLimit
 from app.console import console_router
 from app.db import create_db_engine, migrate, session_provider
 from app.engine_control.checkpoint import TinyCheckpoint
@@ -172,12 +173,14 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         ],
         dependencies={"db_session": Provide(session_provider(engine))},
         middleware=[RequestLogMiddleware(), AuthenticationMiddleware(engine)],
+        before_send=[security_headers],
         # The API and the agent route authenticate by bearer token only (never the cookie), so cross-site forms
         # cannot ride on them; probes, the schema and static files take no form.
         csrf_config=CSRFConfig(
             secret=csrf_secret,
             exclude=[f"^{API_PREFIX}", f"^{ROUTE_PREFIX}", "^/(healthz|readyz|schema|static)(/|$)"],
             cookie_httponly=True,
+            cookie_secure=bool(settings.public_url and settings.public_url.startswith("https://")),
         ),
         template_config=TemplateConfig(directory=TEMPLATES_DIR, engine=JinjaTemplateEngine),
         plugins=[HTMXPlugin()],
@@ -197,6 +200,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             {
                 "settings": settings,
                 "slot": slot,
+                "attempts": AttemptLimit(),
                 "telemetry": telemetry,
                 "checkpoint": checkpoint,
                 "qualifier": qualifier,

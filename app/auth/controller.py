@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import msgspec
 from litestar import Controller, Request, delete, get, post
-from litestar.di import NamedDependency
+from litestar.di import NamedDependency, Provide
+from litestar.exceptions import PermissionDeniedException
 from litestar.params import FromPath, JSONBody
 from litestar.status_codes import HTTP_201_CREATED, HTTP_204_NO_CONTENT
 from sqlmodel import Session
@@ -21,6 +22,7 @@ from app.auth.schemas import (
     TokenCreate,
     TokenRead,
 )
+from app.auth.throttle import AttemptLimit, client_address, provide_attempts
 
 
 def _issued(token: Token, operator: Operator, secret: str) -> IssuedToken:
@@ -87,10 +89,27 @@ class OperatorController(Controller):
         """Revoke a token (an admin any, an operator their own); it stops working at once."""
         service.revoke_token(db_session, request.user, token_id)
 
-    @post("/setup", operation_id="exchangeSetupToken", status_code=HTTP_201_CREATED, sync_to_thread=True)
+    @post(
+        "/setup",
+        operation_id="exchangeSetupToken",
+        status_code=HTTP_201_CREATED,
+        sync_to_thread=True,
+        dependencies={"attempts": Provide(provide_attempts, sync_to_thread=False)},
+    )
     def exchange_setup_token(
-        self, db_session: NamedDependency[Session], data: JSONBody[SetupExchange]
+        self,
+        request: Request,
+        db_session: NamedDependency[Session],
+        attempts: NamedDependency[AttemptLimit],
+        data: JSONBody[SetupExchange],
     ) -> OperatorCreated:
-        """Trade the one-time setup token printed at first start for the first admin account."""
-        operator, token, secret = service.exchange_setup_token(db_session, data.setup_token, data.name)
+        """Trade the one-time setup token printed at first start for the first admin account. 429 with
+        `Retry-After` after too many wrong setup tokens or sign-ins from one address."""
+        client = client_address(request)
+        attempts.check(client)
+        try:
+            operator, token, secret = service.exchange_setup_token(db_session, data.setup_token, data.name)
+        except PermissionDeniedException:
+            attempts.failed(client)
+            raise
         return OperatorCreated(operator=_operator_read(operator, [token]), token=_issued(token, operator, secret))

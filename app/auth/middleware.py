@@ -7,9 +7,10 @@ from __future__ import annotations
 import anyio.to_thread
 import structlog
 from litestar.connection import ASGIConnection
+from litestar.datastructures import MutableScopeHeaders
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
-from litestar.types import ASGIApp, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from sqlalchemy import Engine
 
 from app.auth.models import TokenKind
@@ -46,3 +47,21 @@ class AuthenticationMiddleware(ASGIMiddleware):
         if principal is not None:
             structlog.contextvars.bind_contextvars(operator=principal.name)
         await next_app(scope, receive, send)
+
+
+# Never inside another site's frame (clickjacking a Stop or a promotion); no type sniffing; no URL leaks in Referer.
+SECURITY_HEADERS = {
+    "x-frame-options": "DENY",
+    "content-security-policy": "frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+}
+
+
+async def security_headers(message: Message, scope: Scope) -> None:
+    """A `before_send` hook: every answer carries them, router 404s, errors and static files included."""
+    if message["type"] == "http.response.start":
+        headers = MutableScopeHeaders.from_message(message)
+        for name, value in SECURITY_HEADERS.items():
+            if name not in headers:
+                headers[name] = value

@@ -164,14 +164,34 @@ def exchange_setup_token(session: Session, setup_token: str, name: str) -> tuple
     return operator, token, secret
 
 
-def sign_in(session: Session, name: str, secret: str) -> str:
-    """Check an operator's API token and open a console session; returns the session secret for the cookie."""
+def sign_in(session: Session, name: str, secret: str, client: str) -> str:
+    """Check an operator's API token and open a console session; returns the session secret for the cookie. A
+    failure is an audit row (who was tried, from where, why), never with the token tried; the answer says no more
+    than "unknown operator or token"."""
     operator = session.exec(select(Operator).where(Operator.name == name)).first()
     token = session.exec(select(Token).where(Token.token_sha256 == digest(secret), Token.kind == TokenKind.api)).first()
-    if operator is None or token is None or token.operator_id != operator.id or not _is_live(token):
+    if operator is None:
+        refused = "no operator of that name"
+    elif token is None or token.operator_id != operator.id:
+        refused = "not a token of this operator"
+    elif not _is_live(token):
+        refused = "the token is revoked or expired"
+    else:
+        refused = None
+    if refused is not None:
+        audit.record(
+            session,
+            name or "anonymous",
+            "operator.sign_in_failed",
+            f"operator:{name}",
+            after={"reason": refused, "client": client},
+        )
+        session.commit()
         raise NotAuthorizedException("unknown operator or token")
     signed_in, session_secret = _issue(session, operator, "console sign-in", TokenKind.session)
-    audit.record(session, name, "operator.sign_in", f"operator:{name}", after={"session": signed_in.id})
+    audit.record(
+        session, name, "operator.sign_in", f"operator:{name}", after={"session": signed_in.id, "client": client}
+    )
     session.commit()
     return session_secret
 

@@ -11,6 +11,10 @@ import pytest
 from litestar.testing import TestClient
 from structlog.testing import capture_logs
 
+from app.auth.throttle import FAILURES
+from tests.console.conftest import ADMIN_TOKEN
+from tests.support import form_csrf
+
 SAFE = {"GET", "HEAD", "OPTIONS"}
 # Reachable without signing in, by design: they are how one signs in.
 ANONYMOUS = {("POST", "/signin"), ("POST", "/setup"), ("POST", "/api/setup")}
@@ -242,3 +246,56 @@ def test_changing_the_admin_token_variable_replaces_the_old_one(make_app, admin,
     with TestClient(make_app(FLASHGATE_ADMIN_TOKEN="fg_rotated")) as client:
         assert client.get("/api/operators", headers=admin).status_code == 401
         assert client.get("/api/operators", headers=bearer("fg_rotated")).status_code == 200
+
+
+def test_a_failed_sign_in_is_an_audit_row_and_repeated_failures_answer_429(client, operator_token, page_csrf, admin):
+    token = operator_token("otto", "operator")
+    csrf = page_csrf(client, "/signin")
+    for attempt in range(FAILURES):
+        wrong = client.post("/signin", data={"name": "otto", "token": f"fg_guess-{attempt}", "_csrf_token": csrf})
+        assert wrong.status_code == 401, attempt
+    failed = client.get("/api/audit", params={"target": "operator:otto"}, headers=admin).json()
+    rows = [r for r in failed if r["action"] == "operator.sign_in_failed"]
+    assert len(rows) == FAILURES and rows[0]["actor"] == "otto"
+    assert rows[0]["after"] == {"reason": "not a token of this operator", "client": "testclient"}
+    assert not any("fg_guess" in str(r) for r in failed)  # the token tried is never kept
+    # Then the address waits, even with the right token: guessing goes no faster than FAILURES per window.
+    held = client.post("/signin", data={"name": "otto", "token": token, "_csrf_token": csrf})
+    assert held.status_code == 429 and int(held.headers["retry-after"]) > 0
+    assert f"{FAILURES} failed attempts from testclient" in held.text
+
+
+def test_wrong_setup_tokens_are_limited_too(make_app):
+    with TestClient(make_app(FLASHGATE_ADMIN_TOKEN="")) as client:
+        for attempt in range(FAILURES):
+            assert client.post("/api/setup", json={"setup_token": f"fg_{attempt}", "name": "ada"}).status_code == 403
+        limited = client.post("/api/setup", json={"setup_token": "fg_more", "name": "ada"})
+        assert limited.status_code == 429 and limited.headers["retry-after"]
+
+
+def test_every_answer_refuses_framing(client):
+    for path in ("/signin", "/static/htmx.min.js", "/no-such-page", "/api/profiles"):
+        answer = client.get(path)
+        assert answer.headers["x-frame-options"] == "DENY", path
+        assert answer.headers["content-security-policy"] == "frame-ancestors 'none'", path
+        assert answer.headers["x-content-type-options"] == "nosniff", path
+
+
+def test_cookies_are_secure_behind_a_tls_proxy(make_app):
+    # The proxy terminates TLS: the console sees http, but its public URL is https, so cookies must say Secure.
+    with TestClient(make_app(FLASHGATE_PUBLIC_URL="https://gpu-box.example")) as client:
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        made = client.post("/api/operators", json={"name": "otto", "role": "operator"}, headers=admin).json()
+        page = client.get("/signin")
+        csrf_cookie = page.headers["set-cookie"]
+        assert "Secure" in csrf_cookie  # the CSRF cookie too
+        # A client over plain http (this one) would not send a Secure cookie back; the proxy's clients are on https.
+        signed_in = client.post(
+            "/signin",
+            data={"name": "otto", "token": made["token"]["secret"], "_csrf_token": form_csrf(page.text)},
+            headers={"Cookie": csrf_cookie.split(";")[0]},
+            follow_redirects=False,
+        )
+        assert signed_in.status_code == 303
+        session_cookie = next(c for c in signed_in.headers.get_list("set-cookie") if c.startswith("flashgate_session="))
+        assert "Secure" in session_cookie and "HttpOnly" in session_cookie
