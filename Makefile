@@ -50,12 +50,12 @@ run: $(RUN_STAMP)
 test: $(DEV_STAMP) browser-deps
 	$(BIN)/python -m pytest --durations=25
 
-## lint: formatting and lint, as CI checks them; the Dockerfile and the entrypoint too (warnings fail)
+## lint: formatting and lint, as CI checks them; the Dockerfile, the entrypoint and CI's scripts too (warnings fail)
 lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/hadolint --failure-threshold warning Dockerfile
-	$(BIN)/shellcheck bin/flashgate
+	$(BIN)/shellcheck bin/flashgate .ci/run .ci/dockerd
 
 # Browser tests drive Debian's chromium (Playwright never downloads a browser of its own here).
 browser-deps:

@@ -1,12 +1,16 @@
-"""compose.yaml against the Compose Specification's JSON Schema (vendored: tests/data/README.md), interpolated as
-`docker compose` would, and against what the console expects of it: the GPU reservation, the ports, the volumes,
-the settings' defaults, and the docker driver's pre-created engine container behind a socket proxy that allows
-exactly what the driver does."""
+"""The compose file sets, compose.yaml alone (a CPU host) and with compose.gpu.yaml (a GPU host): parsed by the real
+compose (`config`, as `up` parses them), validated against the Compose Specification's JSON Schema (vendored:
+tests/data/README.md) interpolated as `docker compose` would, and held to what the console expects of them: the GPU
+reservation, the ports, the volumes, the settings' defaults, and the docker driver's pre-created engine container
+behind a socket proxy that allows exactly what the driver does."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,9 @@ from app.settings import load_settings
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "tests/data/compose-spec.json").read_text())
 COMPOSE_TEXT = (ROOT / "compose.yaml").read_text()
+GPU_TEXT = (ROOT / "compose.gpu.yaml").read_text()
+# The operators' file sets (README, docs/deploy.md).
+FILE_SETS = {"cpu": ["compose.yaml"], "gpu": ["compose.yaml", "compose.gpu.yaml"]}
 DOCKER_API = json.loads((ROOT / "tests/console/docker_api/engine_container.json").read_text())
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}; `$$` is a literal `$`.
@@ -50,6 +57,10 @@ def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     return _interpolate(yaml.safe_load(COMPOSE_TEXT), env or {})
 
 
+def gpu_override(env: dict[str, str] | None = None) -> dict[str, Any]:
+    return _interpolate(yaml.safe_load(GPU_TEXT), env or {})
+
+
 OVERRIDES = {
     "FLASHGATE_GPU_COUNT": "2",
     "FLASHGATE_PUBLISH": "127.0.0.1:9090",
@@ -61,10 +72,44 @@ OVERRIDES = {
 
 
 @pytest.mark.parametrize("env", [{}, OVERRIDES], ids=["defaults", "overrides"])
-def test_compose_file_is_valid_against_the_compose_spec(env):
+@pytest.mark.parametrize("document", [compose, gpu_override], ids=["compose.yaml", "compose.gpu.yaml"])
+def test_compose_files_are_valid_against_the_compose_spec(document, env):
     jsonschema.Draft7Validator.check_schema(SCHEMA)
-    errors = sorted(jsonschema.Draft7Validator(SCHEMA).iter_errors(compose(env)), key=lambda e: list(e.path))
+    errors = sorted(jsonschema.Draft7Validator(SCHEMA).iter_errors(document(env)), key=lambda e: list(e.path))
     assert not errors, "\n".join(f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def _compose_cli() -> list[str]:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if os.environ.get("CI"):
+        pytest.fail("CI is set but no compose is installed: .ci/run installs Debian's docker-compose")
+    pytest.skip("no compose installed (apt-get install docker-compose)")
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "docker-driver"]], ids=["default", "docker-driver"])
+@pytest.mark.parametrize("file_set", FILE_SETS, ids=list(FILE_SETS))
+@pytest.mark.parametrize("env", [{}, OVERRIDES], ids=["defaults", "overrides"])
+def test_compose_parses_the_file_sets(file_set, profile, env):
+    """What `up` would parse, by the compose installed here (compose 1.29 on CI, whose schema is older than the
+    spec's: the files keep to what both accept)."""
+    files = [arg for name in FILE_SETS[file_set] for arg in ("-f", name)]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("FLASHGATE_", "COMPOSE_"))} | env
+    done = subprocess.run(
+        [*_compose_cli(), *files, *profile, "config"], cwd=ROOT, env=environment, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    merged = yaml.safe_load(done.stdout)
+    # compose 1.29 lists every service whatever the profiles; today's compose only the active ones.
+    assert "flashgate" in merged["services"] and ("engine" in merged["services"]) >= bool(profile)
+    gpus = [
+        s.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+        for s in merged["services"].values()
+        if s.get("image", "").startswith("flashgate:")
+    ]
+    assert all(gpus) if file_set == "gpu" else not any(gpus), gpus
 
 
 def test_schema_rejects_a_broken_compose_file():
@@ -79,27 +124,33 @@ def test_schema_rejects_a_broken_compose_file():
 def test_appliance_service():
     service = compose()["services"]["flashgate"]
     assert "profiles" not in service and service["command"] == ["console"]
-    assert service["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
-    ]
-    gpus = compose(OVERRIDES)["services"]["flashgate"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert int(gpus["count"]) == 2
+    # A CPU host runs compose.yaml alone: no GPU reservation there, nor anything else a CPU daemon refuses.
+    assert "deploy" not in service and "ulimits" not in service
     # The console and the agents' route are published; the engine's port never is.
     assert service["ports"] == ["8080:8080"]
     assert compose(OVERRIDES)["services"]["flashgate"]["ports"] == ["127.0.0.1:9090:8080"]
     assert not any(str(load_settings({}).engine_port) in str(port) for port in service["ports"])
     # The database and evidence on a named volume; the weights read-only.
     assert "flashgate-data:/data" in service["volumes"] and "flashgate-data" in compose()["volumes"]
-    models = next(v for v in service["volumes"] if isinstance(v, dict))
-    assert models["type"] == "bind" and models["target"] == "/models" and models["read_only"] is True
-    assert models["source"] == "./models"
-    assert next(v for v in compose(OVERRIDES)["services"]["flashgate"]["volumes"] if isinstance(v, dict))["source"] == (
-        "/srv/flashgate/models"
-    )
+    assert "./models:/models:ro" in service["volumes"]
+    assert "/srv/flashgate/models:/models:ro" in compose(OVERRIDES)["services"]["flashgate"]["volumes"]
     assert service["shm_size"] == "16g" and service["restart"] == "unless-stopped" and service["init"] is True
     assert service["healthcheck"]["test"] == ["CMD", "flashgate", "healthcheck"]
     # Compose stops the container only after the console has drained its engine.
     assert _seconds(service["stop_grace_period"]) > load_settings({}).engine_grace_s
+
+
+def test_gpu_file_adds_the_reservation_to_both_gpu_services_and_nothing_else():
+    services = gpu_override()["services"]
+    assert set(services) == {"flashgate", "engine"} <= set(compose()["services"])
+    for name, service in services.items():
+        assert set(service) == {"deploy", "ulimits"}, name
+        assert service["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+        ]
+        assert service["ulimits"] == {"memlock": -1}
+    gpus = gpu_override(OVERRIDES)["services"]["flashgate"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert int(gpus["count"]) == 2
 
 
 def test_console_settings_in_compose_match_the_console_defaults():
@@ -129,7 +180,7 @@ def test_docker_driver_profile_matches_the_console_defaults():
     assert defaults.docker_host == "tcp://docker-proxy:2375" and defaults.docker_engine_host == "engine"
     assert engine["container_name"] == defaults.docker_container
     assert engine["image"] == services["flashgate"]["image"] and engine["command"] == ["engine"]
-    assert engine["volumes"] == services["flashgate"]["volumes"] and engine["deploy"] == services["flashgate"]["deploy"]
+    assert engine["volumes"] == services["flashgate"]["volumes"]
     assert engine["restart"] == "no" and "ports" not in engine and engine["healthcheck"] == {"disable": True}
     # The proxy: pinned, never published, on an internal network it shares with the console alone.
     assert re.fullmatch(r"lscr\.io/linuxserver/socket-proxy:\d+\.\d+\.\d+-r\d+-ls\d+", proxy["image"])

@@ -1,7 +1,8 @@
-"""The Dockerfile read as data (no Docker daemon runs here, so the image is never built in CI; hadolint lints it in
-`make lint`): two stages on one chosen base, torch pinned inside pyproject's bounds, a non-root user, the build id
-baked in from build args, the console's healthcheck, /data as a volume, and a build context that holds what the
-image copies and nothing else."""
+"""The Dockerfile read as data (tests/container/ builds it for real on CI's Debian 12 base; hadolint lints it in
+`make lint`): a system stage on one chosen base that the build and runtime stages share, the base-specific
+packages as build args (Ubuntu 24.04's by default, Debian 12's in the Makefile), an offline build from the
+wheelhouse, torch pinned inside pyproject's bounds, a non-root user, the build id baked in from build args, the
+console's healthcheck, /data as a volume, and a build context that holds what the image copies and nothing else."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def args_defaults() -> dict[str, str]:
     return found
 
 
-def test_two_stages_on_one_chosen_base():
+def test_stages_share_one_system_stage_on_one_chosen_base():
     froms = [value for name, value in instructions() if name == "FROM"]
-    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE} AS runtime"]
+    assert froms == ["${BASE_IMAGE} AS system", "system AS build", "system AS runtime"]
     base = args_defaults()["BASE_IMAGE"]
     assert re.fullmatch(r"nvidia/cuda:13\.0\.\d+-runtime-ubuntu24\.04", base)
     # compose.yaml builds with the same default base.
@@ -63,12 +64,37 @@ def test_torch_and_triton_pins_are_inside_the_project_bounds():
     assert "pip install --no-cache-dir --no-deps -e ." in installs
 
 
-def test_runtime_stage_has_python312_and_the_compiler_triton_needs():
-    runtime = _runtime_stage()
-    apt = " ".join(value for name, value in runtime if name == "RUN")
-    for package in ("python3.12", "python3.12-dev", "gcc", "libc6-dev"):
-        assert re.search(rf"'{re.escape(package)}=[^']+'", apt), package
-    assert "python3.12-venv" not in apt  # only the build stage makes the venv
+def _pins(packages: str) -> dict[str, str]:
+    return dict(pin.split("=", 1) for pin in packages.split())
+
+
+def test_system_packages_are_pinned_per_base_and_name_the_same_set():
+    """Ubuntu 24.04's Python 3.12 by default; the Makefile's Debian 12 set (CI's base) is the same packages for its
+    Python 3.11, each pinned to its release series."""
+    defaults = args_defaults()
+    ubuntu = _pins(defaults["SYSTEM_PACKAGES"].strip('"'))
+    assert defaults["PYTHON"] == "python3.12"
+    assert set(ubuntu) == {"python3.12", "python3.12-venv", "python3.12-dev", "gcc", "libc6-dev"}
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n\t", "")
+    debian = _pins(re.search(r"^DEBIAN12_PACKAGES := (.+)$", makefile, re.MULTILINE).group(1))
+    assert re.search(r"^DEBIAN12_PYTHON := python3\.11$", makefile, re.MULTILINE)
+    assert {name.replace("3.11", "3.12") for name in debian} == set(ubuntu)
+    for pins in (ubuntu, debian):
+        assert all(version and version[0].isdigit() for version in pins.values()), pins
+    system = " ".join(value for name, value in instructions() if name == "RUN")
+    assert 'apt-get install -y --no-install-recommends "${missing[@]}"' in system
+
+
+def test_wheelhouse_build_asks_no_index():
+    """WHEELHOUSE=1 writes the build stage's pip settings: no index, the wheelhouse as the only source. CI's build
+    (make image-cpu) uses it with no network at all, which proves every wheel is there."""
+    assert args_defaults()["WHEELHOUSE"] == "0"
+    runs = " ".join(value for name, value in instructions() if name == "RUN")
+    assert "no-index = true\\nfind-links = /opt/wheelhouse" in runs and "/etc/pip.conf" in runs
+    assert ("COPY", "wheelhouse /opt/wheelhouse") in instructions()
+    image_cpu = (ROOT / "Makefile").read_text().split("\nimage-cpu:")[1].split("\n\n")[0]
+    assert "--network none" in image_cpu and "--build-arg WHEELHOUSE=1" in image_cpu
+    assert not (ROOT / "Dockerfile").read_text().startswith("# syntax=")  # BuildKit would pull its frontend
 
 
 def test_non_root_user_volume_healthcheck_and_entrypoint():
@@ -120,6 +146,7 @@ def test_build_context_holds_what_the_image_copies():
         assert not sent(local), local
     # What the console reads beside its package (app/main.py) is copied.
     assert {"pyproject.toml", "README.md", "app", "engine", "console", "profiles", "bin"} <= set(copied)
+    assert {"wheelhouse", "deploy/requirements.py"} <= set(copied)
 
 
 def _runtime_stage() -> list[tuple[str, str]]:
