@@ -80,7 +80,7 @@ def matmul_tflops() -> float:
 
 
 def fill_index_keys(keys: IndexKeys, gen: torch.Generator, chunk: int = 1 << 16) -> None:
-    total = keys.storage.shape[0] * IndexKeys.ROWS if keys.fp8 else keys.storage.shape[0]
+    total = keys.storage.shape[0] * IndexKeys.rows_per_page if keys.fp8 else keys.storage.shape[0]
     for start in range(0, total, chunk):
         rows = torch.arange(start, min(total, start + chunk), device=DEV)
         keys.write(rows, torch.randn(len(rows), INDEX_DIM, device=DEV, generator=gen))

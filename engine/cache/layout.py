@@ -4,17 +4,16 @@ A page holds 256 raw tokens' worth of compressed state, addressed by one page id
 64 c4 rows (main KV row + indexer key row) and 2 c128 rows. Each request also owns fixed state outside the pages:
 a 128-slot sliding-window ring of main KV rows in every layer and the compressors' unfinished windows (fp32).
 
-Row formats: main KV fp8 = 448 e4m3 nope + 64 bf16 RoPE + 7 ue8m0 scales + 1 pad = 584 B; bf16 = 1024 B.
-Indexer key fp8 = 128 e4m3 + 4 B fp32 scale = 132 B; bf16 = 256 B.
+Row formats (engine/kernels/kv_format.py): main KV fp8 = 448 e4m3 nope + 64 bf16 RoPE + 7 ue8m0 scales + 1 pad =
+584 B; bf16 = 1024 B. Indexer key fp8 = 128 e4m3 + 4 B fp32 scale = 132 B; bf16 = 256 B.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kernels.kv_format import index_row_bytes, main_row_bytes
 from engine.model.args import ModelArgs
-
-FP8_SCALE_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -49,14 +48,14 @@ class KVLayout:
     @property
     def main_row_bytes(self) -> int:
         if self.kv_dtype == "fp8_e4m3":
-            nope = self.head_dim - self.rope_dim
-            raw = nope + 2 * self.rope_dim + nope // FP8_SCALE_BLOCK
-            return -(-raw // 8) * 8  # padded to 8 bytes: 583 -> 584 for V4-Flash
+            return main_row_bytes(self.head_dim, self.rope_dim)
         return self._element_bytes * self.head_dim
 
     @property
     def index_row_bytes(self) -> int:
-        return self.index_head_dim + 4 if self.kv_dtype == "fp8_e4m3" else self._element_bytes * self.index_head_dim
+        if self.kv_dtype == "fp8_e4m3":
+            return index_row_bytes(self.index_head_dim)
+        return self._element_bytes * self.index_head_dim
 
     @property
     def _element_bytes(self) -> int:

@@ -17,11 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.cache.kv_cache import IndexKeys, MainRows
 from engine.kernels.dispatch import use_triton
+from engine.kernels.kv_format import INDEX_SCALE_BYTES, MAIN_SCALE_BYTES, write_index_keys
+from engine.kernels.kv_rows import write_main_rows
 from engine.kernels.quant import fp4_round, simulate_index_fp4, simulate_kv_row_fp8
 from engine.kernels.rope import rope_angles, rotate_interleaved
 from engine.kernels.scales import ceil_log2, pow2, pow2_ceil
+
+_MAIN_SCALE_BYTES = tl.constexpr(MAIN_SCALE_BYTES)
+_INDEX_SCALE_BYTES = tl.constexpr(INDEX_SCALE_BYTES)
 
 
 def pool_windows(
@@ -83,11 +87,11 @@ def finish_rows(
 
 def compressor_decode_step_reference(
     kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
-    out: MainRows | IndexKeys, ratio: int, for_indexer: bool, quant_sim: bool,
+    out: torch.Tensor, rows_per_page: int, ratio: int, for_indexer: bool, quant_sim: bool,
 ):  # fmt: skip
-    """One token per request: kv, score [B, coff*dim] fp32; states [slots, coff*ratio, coff*dim] fp32; a closed
-    window's row r goes to physical slot page_table[b, r // rows_per_page] * rows_per_page + r % rows_per_page."""
-    rows_per_page = out.rows_per_page
+    """One token per request: kv, score [B, coff*dim] fp32; states [slots, coff*ratio, coff*dim] fp32; `out` the
+    layer's main-row (or, for the indexer, index-key) storage in a kv_format format; a closed window's row r goes to
+    physical slot page_table[b, r // rows_per_page] * rows_per_page + r % rows_per_page."""
     for b in range(kv.shape[0]):
         slot, pos = int(seq_slot[b]), int(positions[b])
         pooled = pool_windows(kv[b : b + 1], score[b : b + 1], positions[b : b + 1], kv_state[slot],
@@ -95,8 +99,13 @@ def compressor_decode_step_reference(
         if len(pooled):
             row = (pos + 1) // ratio - 1
             rows = finish_rows(pooled, row, ratio, norm_weight, eps, inv_freq, for_indexer, quant_sim, torch.float32)
-            physical = page_table[b, row // rows_per_page].long() * rows_per_page + row % rows_per_page
-            out.write(physical.view(1), rows)
+            physical = (page_table[b, row // rows_per_page].long() * rows_per_page + row % rows_per_page).view(1)
+            if for_indexer:
+                write_index_keys(out, physical, rows)
+            elif out.dtype == torch.uint8:
+                write_main_rows(out, physical, rows, rows_per_page, 2 * inv_freq.shape[0])
+            else:
+                out[physical] = rows.to(out.dtype)
 
 
 @triton.jit
@@ -161,9 +170,9 @@ def _compressor_step_kernel(
             if FP8_OUT:  # 128 e4m3 values per row, then the row's fp32 scale after the page's values
                 row_scale = pow2_ceil(tl.max(tl.abs(x), axis=0) / 448.0)
                 values = (x / row_scale).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-                tl.store(out_ptr + page * (ROWS_PER_PAGE * (DIM + 4)) + r * DIM + d, values)
-                tl.store(scale_out_ptr + page * (ROWS_PER_PAGE * (DIM + 4) // 4) + ROWS_PER_PAGE * DIM // 4 + r,
-                         row_scale)  # fmt: skip
+                page_bytes = ROWS_PER_PAGE * (DIM + _INDEX_SCALE_BYTES)
+                tl.store(out_ptr + page * page_bytes + r * DIM + d, values)
+                tl.store(scale_out_ptr + page * (page_bytes // 4) + ROWS_PER_PAGE * DIM // 4 + r, row_scale)
             else:
                 tl.store(out_ptr + (page * ROWS_PER_PAGE + r) * DIM + d, x.to(out_ptr.dtype.element_ty))
         else:
@@ -178,13 +187,15 @@ def _compressor_step_kernel(
                 x = tl.where(d < NOPE, rounded, x)
             if FP8_OUT:  # the 584-byte row: 448 e4m3, 64 bf16, then the page's scale bytes
                 data_bytes = NOPE + 2 * ROPE
-                page_base = out_ptr + page * (ROWS_PER_PAGE * (data_bytes + 8))
+                page_base = out_ptr + page * (ROWS_PER_PAGE * (data_bytes + _MAIN_SCALE_BYTES))
                 codes = tl.reshape(q8.to(tl.uint8, bitcast=True), (DIM,))
                 tl.store(page_base + r * data_bytes + d, codes, mask=d < NOPE)
                 rope_ptr = (page_base + r * data_bytes + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)
                 tl.store(rope_ptr + (d - NOPE), x.to(tl.bfloat16), mask=d >= NOPE)
                 exps = (exponent + 127).to(tl.uint8)
-                tl.store(page_base + ROWS_PER_PAGE * data_bytes + r * 8 + nb, exps, mask=nb < NOPE // 64)
+                tl.store(
+                    page_base + ROWS_PER_PAGE * data_bytes + r * _MAIN_SCALE_BYTES + nb, exps, mask=nb < NOPE // 64
+                )
             else:
                 tl.store(out_ptr + (page * ROWS_PER_PAGE + r) * DIM + d, x.to(out_ptr.dtype.element_ty))
         if OVERLAP:  # the current window becomes the previous one
@@ -196,28 +207,28 @@ def _compressor_step_kernel(
 
 def compressor_decode_step_triton(
     kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
-    out: MainRows | IndexKeys, ratio: int, for_indexer: bool, quant_sim: bool,
+    out: torch.Tensor, rows_per_page: int, ratio: int, for_indexer: bool, quant_sim: bool,
 ):  # fmt: skip
     batch, dim = kv.shape[0], norm_weight.shape[0]
-    fp8 = out.storage.dtype == torch.uint8
+    fp8 = out.dtype == torch.uint8
     hadamard = _hadamard_matrix(dim, kv.device) if for_indexer and quant_sim else kv
-    scales = out.storage.view(torch.float32) if for_indexer and fp8 else out.storage
+    scales = out.view(torch.float32) if for_indexer and fp8 else out
     pooled = torch.empty(batch, dim, device=kv.device, dtype=torch.float32)
     _compressor_step_kernel[(batch,)](
         kv, score, ape, norm_weight, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
-        out.storage, scales, hadamard, pooled, kv.stride(0), kv_state.stride(0), page_table.stride(0), eps,
-        RATIO=ratio, DIM=dim, ROPE=2 * inv_freq.shape[0], ROWS_PER_PAGE=out.rows_per_page, FOR_INDEXER=for_indexer,
+        out, scales, hadamard, pooled, kv.stride(0), kv_state.stride(0), page_table.stride(0), eps,
+        RATIO=ratio, DIM=dim, ROPE=2 * inv_freq.shape[0], ROWS_PER_PAGE=rows_per_page, FOR_INDEXER=for_indexer,
         QUANT_SIM=quant_sim, FP8_OUT=fp8, BD=min(dim, 64),
     )  # fmt: skip
 
 
 def compressor_decode_step(
     kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
-    out: MainRows | IndexKeys, ratio: int, for_indexer: bool, quant_sim: bool,
+    out: torch.Tensor, rows_per_page: int, ratio: int, for_indexer: bool, quant_sim: bool,
 ):  # fmt: skip
     impl = compressor_decode_step_triton if use_triton(kv.device) else compressor_decode_step_reference
     return impl(kv, score, ape, norm_weight, eps, inv_freq, kv_state, score_state, seq_slot, positions, page_table,
-                out, ratio, for_indexer, quant_sim)  # fmt: skip
+                out, rows_per_page, ratio, for_indexer, quant_sim)  # fmt: skip
 
 
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}

@@ -31,8 +31,9 @@ def indexer_logits_reference(
     c4_len: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """q [B, H, D]; weights [B, H] fp32; keys [pages, 64, D] (`IndexKeys.values`); key_scales [pages, 64] fp32 or
-    None; page_table [B, max_pages] int32; c4_len [B] int32; out [B, max_pages * 64] fp32."""
+    """q [B, H, D]; weights [B, H] fp32; keys [pages, 64, D] (`kv_format.index_values` of index-key storage);
+    key_scales [pages, 64] fp32 or None; page_table [B, max_pages] int32; c4_len [B] int32; out [B, max_pages * 64]
+    fp32."""
     for b in range(q.shape[0]):
         n = int(c4_len[b])
         if n == 0:

@@ -1,4 +1,4 @@
-"""Writing main KV rows into FP8 pages (engine/cache/kv_cache.py describes the layout): a page of `rows_per_page`
+"""Writing main KV rows into FP8 pages (engine/kernels/kv_format.py describes the layout): a page of `rows_per_page`
 rows holds their data first, each row the e4m3 codes of its nope channels, then its RoPE channels in bf16, and after
 all the rows' data their scales, one ue8m0 byte per 64 nope channels, in `row_bytes - data_bytes` bytes a row.
 
@@ -114,8 +114,8 @@ def write_window_rows_reference(
 ) -> None:
     """The decode step's new window rows: x [B, head_dim] (the wkv projection, rows may be strided) -> kv_norm
     (weight, fp32, back in x's dtype) -> RoPE at positions [B] -> ring row positions % window of page seq_slot [B] of
-    `storage` (a `MainRows.storage` with `window` rows a page). Non-FP8 storage with quant_sim stores the nope
-    channels on their FP8 grid, as the FP8 rows would hold them."""
+    `storage` (main-row storage of kv_format.py with `window` rows a page). Non-FP8 storage with quant_sim stores the
+    nope channels on their FP8 grid, as the FP8 rows would hold them."""
     rope_dim = 2 * inv_freq.shape[0]
     kv = rope_reference(rms_norm_reference(x, norm_weight, eps), positions, inv_freq)
     slots = seq_slot.long() * window + positions.long() % window

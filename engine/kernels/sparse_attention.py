@@ -4,7 +4,7 @@ top-k for c4 layers, every visible row for c128 layers), keys being the values:
 
     o_h = sum_j exp(s_hj) kv_j / (sum_j exp(s_hj) + exp(sink_h)),   s_hj = scale * q_h . kv_j
 
-Rows are bf16, or the 584-byte fp8 rows of `engine/cache/kv_cache.py`. The Triton kernel splits each request's
+Rows are bf16, or the 584-byte fp8 rows of `engine/kernels/kv_format.py`. The Triton kernel splits each request's
 key list across programs (split-K) and merges the partial results by log-sum-exp, the sink joining in the merge;
 index blocks past the request's real list length are skipped, so work follows the actual length.
 
@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.cache.kv_cache import SCALE_BYTES, read_main_rows
 from engine.kernels.dispatch import interpreting, shared_memory_limit, splits_for, use_triton, wide
+from engine.kernels.kv_format import MAIN_SCALE_BYTES, read_main_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units: the softmax is exp2
+# An fp8 row's scale bytes, which the kernel loads as one int64: there must be 8.
+assert MAIN_SCALE_BYTES == 8
+SCALE_BYTES = tl.constexpr(MAIN_SCALE_BYTES)
 
 Launch = tuple[int, int, int, int]  # head_block, block_n, num_warps, num_stages
 # Up to this batch, 16-head blocks: four times the programs, each with a quarter of the accumulator. On the H200,
@@ -104,8 +107,9 @@ def sparse_decode_attention_reference(
     rope_dim: int,
     window_span: bool = False,
 ) -> torch.Tensor:
-    """q [B, H, D]; sink [H] fp32; window_rows: `MainRows.storage` with `window` rows a page, request b's ring in
-    page seq_slot[b] (row = position % window); positions [B] int32 (the query's); comp_rows: `MainRows.storage` with
+    """q [B, H, D]; sink [H] fp32; window_rows: main-row storage (kv_format.py) with `window` rows a page, request
+    b's ring in page seq_slot[b] (row = position % window); positions [B] int32 (the query's); comp_rows: main-row
+    storage with
     `comp_rows_per_page` rows a page; comp_slots [B, K] int32 physical slots (-1 = none), the first comp_len[b]
     meaningful; out [B, H, D]. With `window_span`, window_rows is a span of rows and seq_slot[b] the row of query b's
     own position in it: its window is the min(position + 1, window) rows up to that one."""
@@ -153,13 +157,15 @@ def _load_keys(
         e = tl.arange(0, 64)
         is_nope = (blk < NOPE // 64)[None, :]
         data_bytes = NOPE + 2 * (D - NOPE)
-        page_base = (slot // rows_per_page).to(tl.int64) * rows_per_page * (data_bytes + 8)
+        page_base = (slot // rows_per_page).to(tl.int64) * rows_per_page * (data_bytes + SCALE_BYTES)
         row = slot % rows_per_page
         data = tl.multiple_of(page_base + row * data_bytes, 16)  # rows start 16-byte aligned: vector copies
         raw = tl.load(base + data[:, None, None] + (blk[:, None] * 64 + e[None, :])[None, :, :],
                       mask=(valid[:, None] & is_nope)[:, :, None], other=0)  # fmt: skip
         # a row's 8 scale bytes (the last is padding) as one int64: an 8-byte copy that the pipeliner issues ahead
-        scale_at = (base + page_base + rows_per_page * data_bytes + row * 8).to(tl.pointer_type(tl.int64), bitcast=True)
+        scale_at = (base + page_base + rows_per_page * data_bytes + row * SCALE_BYTES).to(
+            tl.pointer_type(tl.int64), bitcast=True
+        )
         exps = (tl.load(scale_at, mask=valid, other=0)[:, None] >> (blk * 8).to(tl.int64)[None, :]) & 0xFF
         rope = tl.load((base + data + NOPE).to(tl.pointer_type(tl.bfloat16), bitcast=True)[:, None] + e[None, :],
                        mask=valid[:, None], other=0.0)  # fmt: skip
@@ -319,6 +325,3 @@ def sparse_decode_attention(
     impl = sparse_decode_attention_triton if use_triton(q.device) else sparse_decode_attention_reference
     return impl(q, sink, scale, window_rows, seq_slot, positions, comp_rows, comp_rows_per_page, comp_slots,
                 comp_len, out, window, rope_dim, window_span)  # fmt: skip
-
-
-assert SCALE_BYTES == 8  # the kernel's fp8 page arithmetic assumes 8 scale bytes a row

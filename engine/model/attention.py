@@ -61,8 +61,8 @@ class Compressor(nn.Module):
     def decode_step(self, kv, score, batch: ForwardBatch, state, out) -> None:
         """Decode path: one token per request; closed windows' rows go straight into the paged cache."""
         compressor_decode_step(kv, score, self.ape, self.norm.weight, self.norm.eps, self.rotary.inv_freq, state[0],
-                               state[1], batch.slots, batch.positions_i32, batch.page_table, out, self.ratio,
-                               self.for_indexer, self.quant_sim)  # fmt: skip
+                               state[1], batch.slots, batch.positions_i32, batch.page_table, out.storage,
+                               out.rows_per_page, self.ratio, self.for_indexer, self.quant_sim)  # fmt: skip
 
 
 class Indexer(nn.Module):

@@ -126,7 +126,7 @@ def test_compressor_decode_step(ratio, for_indexer, kv_dtype, quant_sim):
             kv = torch.randn(batch, coff * dim, generator=steps)
             score = torch.randn(batch, coff * dim, generator=steps)
             step_fn(kv, score, ape, norm, 1e-6, inv_freq, kv_state, score_state, seq_slot, (start + step).int(), table,
-                    out, ratio, for_indexer, quant_sim)  # fmt: skip
+                    out.storage, out.rows_per_page, ratio, for_indexer, quant_sim)  # fmt: skip
         return out.read(torch.arange(pages * out.rows_per_page))
 
     ref, got = run(compressor_decode_step_reference), run(compressor_decode_step_triton)

@@ -142,7 +142,7 @@ def test_compressor_decode_step_at_flash_sizes(ratio, for_indexer, dim, kv_dtype
             kv = torch.randn(batch, coff * dim, device=DEV, generator=steps)
             score = torch.randn(batch, coff * dim, device=DEV, generator=steps)
             step_fn(kv, score, ape, norm, 1e-6, inv_freq, kv_state, score_state, seq_slot, (start + step).int(),
-                    table, out, ratio, for_indexer, True)  # fmt: skip
+                    table, out.storage, out.rows_per_page, ratio, for_indexer, True)  # fmt: skip
         return out.read(torch.arange(pages * out.rows_per_page, device=DEV))
 
     ref, got = run(compressor_decode_step_reference), run(compressor_decode_step_triton)
