@@ -422,13 +422,6 @@ def group_pairs_by_expert_triton(
     return order, offsets, active
 
 
-def group_pairs_by_expert(
-    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    impl = group_pairs_by_expert_triton if use_triton(flat_ids.device) else group_pairs_by_expert_reference
-    return impl(flat_ids, n_experts, touched)
-
-
 def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None):
     """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D]; w2 [E, D, I] -> [N * k, D] in x's dtype: each
     (token, pick) pair's routed output, pair t * k + j for token t's pick j (moe_combine sums them). touched, a

@@ -57,14 +57,6 @@ class ModelArgs:
     bos_token_id: int
     eos_token_id: int
 
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
-    @property
-    def num_layers_with_mtp(self) -> int:
-        return self.num_hidden_layers + self.num_nextn_predict_layers
-
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelArgs:
         path = Path(model_dir) / "config.json"

@@ -71,7 +71,6 @@ HF_GLOBAL_NAMES = {
 }
 OFFICIAL_GLOBAL_NAMES = {v: k for k, v in HF_GLOBAL_NAMES.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HC_OFFICIAL = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 _HC_INTERNAL = re.compile(r"(^|\.)hc_(attn|ffn|head)\.(fn|base|scale)$")
 
 
@@ -100,10 +99,6 @@ def official_to_hf(name: str) -> str:
 
 def internal_to_official(name: str) -> str:
     return _HC_INTERNAL.sub(r"\1hc_\2_\3", name)
-
-
-def official_to_internal(name: str) -> str:
-    return _HC_OFFICIAL.sub(r"\1hc_\2.\3", name)
 
 
 def routed_expert_part(name: str) -> tuple[str, str] | None:

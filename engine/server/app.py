@@ -23,6 +23,7 @@ from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.llm_engine import RequestOutput
+from engine.server.completions import ChatFormatter, CompletionFormatter
 from engine.server.engine_loop import EngineLoop, RequestFailed, RequestStream
 from engine.server.grammar import Grammars
 from engine.server.metrics import Metrics
@@ -35,7 +36,6 @@ from engine.server.protocol import (
     parse_chat,
     parse_completion,
 )
-from engine.server.responses import ChatFormatter, CompletionFormatter
 from engine.server.responses_api import ResponsesFormatter, parse_responses
 from engine.tokenizer import Tokenizer
 

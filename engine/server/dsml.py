@@ -50,7 +50,6 @@ _SEPARATOR = ">\n"
 _INVOKE_HEAD = re.compile(r'\s*name="(.*?)">\n\n?', re.DOTALL)
 _PARAMETER = re.compile(r' name="(.*?)" string="(true|false)">(.*?)<\n?', re.DOTALL)
 
-FinishReason = Literal["stop", "length", "tool_calls"]
 _State = Literal["reasoning", "content", "block", "after_block", "done"]
 
 
@@ -97,10 +96,10 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_completion(
+def parse_output(
     text: str, tools_offered: bool, thinking: bool, *, call_id: Callable[[], str] = new_call_id
 ) -> ParsedCompletion:
-    """Parse a whole completion (with or without its EOS)."""
+    """Parse a whole completion's text (with or without its EOS)."""
     parser = StreamingParser(tools_offered=tools_offered, thinking=thinking, call_id=call_id)
     result = ParsedCompletion()
     reasoning: list[str] = []
@@ -116,14 +115,6 @@ def parse_completion(
             result.malformed.append(event)
     result.reasoning, result.content = "".join(reasoning), "".join(content)
     return result
-
-
-def finish_reason(*, tool_calls: bool, truncated: bool) -> FinishReason:
-    """Calls win: they are emitted only once closed, so the model had finished them. Otherwise `length` when the
-    token limit cut the completion, else `stop`."""
-    if tool_calls:
-        return "tool_calls"
-    return "length" if truncated else "stop"
 
 
 class StreamingParser:

@@ -25,9 +25,9 @@ from typing import Any
 
 from engine.llm_engine import RequestOutput
 from engine.server import dsml
+from engine.server.completions import ChatFormatter
 from engine.server.grammar import Grammars
 from engine.server.protocol import ApiError, GenerationRequest, Limits, invalid, parse_chat
-from engine.server.responses import ChatFormatter
 from engine.tokenizer import Tokenizer
 
 # Fields a Responses request shares with a chat request, with the same meaning.

@@ -15,8 +15,8 @@ import pytest
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.chat_encoding import EOS
+from engine.server.completions import ChatFormatter
 from engine.server.protocol import GenerationRequest
-from engine.server.responses import ChatFormatter
 from engine.server.responses_api import ResponsesFormatter
 from engine.tokenizer import Tokenizer
 from engine.tools.tiny_tokenizer import build_tiny_tokenizer

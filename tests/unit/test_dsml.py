@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from engine.llm_engine import RequestOutput
 from engine.server.chat_encoding import DSML, EOS, encode_messages
+from engine.server.completions import client_finish_reason
 from engine.server.dsml import (
     ContentDelta,
     Malformed,
@@ -21,8 +23,7 @@ from engine.server.dsml import (
     StreamEvent,
     StreamingParser,
     ToolCall,
-    finish_reason,
-    parse_completion,
+    parse_output,
 )
 
 VECTORS_PATH = Path(__file__).resolve().parents[3] / "shared" / "data" / "dsv4_chat_vectors.json"
@@ -85,7 +86,7 @@ def _stream(pieces: Iterable[str], *, tools_offered: bool = True, thinking: bool
 
 
 def _parse(text: str, *, tools_offered: bool = True, thinking: bool = False) -> ParsedCompletion:
-    return parse_completion(text, tools_offered, thinking, call_id=_counting_ids())
+    return parse_output(text, tools_offered, thinking, call_id=_counting_ids())
 
 
 def _splits(text: str) -> Iterable[list[str]]:
@@ -227,7 +228,7 @@ def test_calls_after_reasoning():
 
 def test_parallel_calls_get_distinct_index_and_id():
     text = f"Both at once.{_block(WEATHER, SEARCH, WEATHER)}{EOS}"
-    result = parse_completion(text, True, False)
+    result = parse_output(text, True, False)
     assert [call.index for call in result.tool_calls] == [0, 1, 2]
     assert len({call.id for call in result.tool_calls}) == 3
     assert all(call.id.startswith("call_") for call in result.tool_calls)
@@ -349,8 +350,10 @@ def test_encoded_history_parses_back_to_the_same_calls():
 
 
 @pytest.mark.parametrize(
-    ("tool_calls", "truncated", "reason"),
-    [(True, False, "tool_calls"), (True, True, "tool_calls"), (False, True, "length"), (False, False, "stop")],
-)
-def test_finish_reason(tool_calls, truncated, reason):
-    assert finish_reason(tool_calls=tool_calls, truncated=truncated) == reason
+    ("engine_reason", "tool_calls", "reason"),
+    [("stop", True, "tool_calls"), ("length", True, "tool_calls"), ("length", False, "length"),
+     ("timeout", False, "length"), ("stop", False, "stop")],
+)  # fmt: skip
+def test_client_finish_reason(engine_reason, tool_calls, reason):
+    output = RequestOutput("r", [1], "", [], None, engine_reason)
+    assert client_finish_reason(output, tool_calls) == reason

@@ -157,7 +157,7 @@ def test_the_block_grammar_accepts_what_the_encoder_writes_and_the_parser_reads(
     block = _encoded_block(calls)
     given = constraint(grammars, {"tools": list(TOOLS.values()), "tool_choice": "required"})
     assert given.matcher.accept_string(block) and given.matcher.is_completed()
-    parsed = dsml.parse_completion(block + EOS, tools_offered=True, thinking=False)
+    parsed = dsml.parse_output(block + EOS, tools_offered=True, thinking=False)
     assert [(call.name, json.loads(call.arguments)) for call in parsed.tool_calls] == calls
 
 
@@ -220,7 +220,7 @@ def test_random_model_calls_are_valid_within_max_tokens(grammars, tokenizer, bod
     for seed in range(12):
         tokens = random_model(grammars, constraint(grammars, body, thinking), max_tokens, seed)
         assert len(tokens) <= max_tokens and tokens[-1] == grammars.eos_id
-        parsed = dsml.parse_completion(text_of(tokenizer, tokens), tools_offered=True, thinking=thinking)
+        parsed = dsml.parse_output(text_of(tokenizer, tokens), tools_offered=True, thinking=thinking)
         assert parsed.tool_calls and not parsed.malformed and not parsed.content, parsed
         for call in parsed.tool_calls:
             assert call.name in names
@@ -232,7 +232,7 @@ def test_thinking_is_closed_in_time(grammars, tokenizer):
         given = constraint(grammars, {"tools": [WEATHER], "tool_choice": "required"}, thinking=True)
         max_tokens = len(grammars.think_end) + len(given.ending) + 5  # five tokens to reason with
         tokens = random_model(grammars, given, max_tokens, seed)
-        parsed = dsml.parse_completion(text_of(tokenizer, tokens), tools_offered=True, thinking=True)
+        parsed = dsml.parse_output(text_of(tokenizer, tokens), tools_offered=True, thinking=True)
         assert len(tokens) <= max_tokens and parsed.reasoning and parsed.tool_calls and not parsed.malformed
 
 
@@ -262,7 +262,7 @@ def test_strict_tools_under_auto_allow_text_then_a_valid_call(grammars, tokenize
     assert not constraint(grammars, {"tools": [WEATHER]}).matcher.accept_string('Hi <｜DSML｜invoke name="x">')
     for seed in range(10):
         tokens = random_model(grammars, constraint(grammars, {"tools": [WEATHER]}), 64, seed)
-        parsed = dsml.parse_completion(text_of(tokenizer, tokens), tools_offered=True, thinking=False)
+        parsed = dsml.parse_output(text_of(tokenizer, tokens), tools_offered=True, thinking=False)
         assert tokens[-1] == grammars.eos_id and not parsed.malformed and DSML not in parsed.content
         for call in parsed.tool_calls:
             jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
@@ -273,7 +273,7 @@ def test_a_budget_below_the_shortest_ending_is_cut(grammars, tokenizer):
     ending = list(given.ending)
     tokens = random_model(grammars, given, 10, seed=0)
     assert tokens == ending[:10]
-    assert not dsml.parse_completion(text_of(tokenizer, tokens), tools_offered=True, thinking=False).tool_calls
+    assert not dsml.parse_output(text_of(tokenizer, tokens), tools_offered=True, thinking=False).tool_calls
 
 
 def test_the_sampler_asks_the_constraint_and_reports_the_model_logprobs(grammars):

@@ -25,9 +25,13 @@ from engine.tokenizer import Tokenizer
 log = structlog.get_logger(__name__)
 
 
-def finish_reason(output: RequestOutput, tool_calls: bool) -> str:
-    """One of the four values clients accept; a request cut by its timeout ends as `length`."""
-    return dsml.finish_reason(tool_calls=tool_calls, truncated=output.finish_reason in ("length", "timeout"))
+def client_finish_reason(output: RequestOutput, tool_calls: bool) -> str:
+    """The engine's finish reason as clients know it. Calls win: they are emitted only once closed, so the model had
+    finished them. Otherwise `length` when the token limit (or the request's timeout) cut the completion, else
+    `stop`."""
+    if tool_calls:
+        return "tool_calls"
+    return "length" if output.finish_reason in ("length", "timeout") else "stop"
 
 
 class _Formatter:
@@ -102,7 +106,7 @@ class ChatFormatter(_Formatter):
                 chunks.append(self._chunk({}))
             chunks[0]["choices"][0]["logprobs"] = logprobs
         if output.finished:
-            chunks.append(self._chunk({}, finish_reason(output, self.tool_calls)))
+            chunks.append(self._chunk({}, client_finish_reason(output, self.tool_calls)))
         return chunks
 
     def parsed_events(self, output: RequestOutput) -> list[dsml.StreamEvent]:
@@ -121,7 +125,7 @@ class ChatFormatter(_Formatter):
 
     def parsed(self, output: RequestOutput) -> dsml.ParsedCompletion:
         """The whole output parsed, calls dropped under tool_choice "none", dropped text logged."""
-        parsed = dsml.parse_completion(output.text, self.request.tools_offered, self.request.thinking)
+        parsed = dsml.parse_output(output.text, self.request.tools_offered, self.request.thinking)
         dropped = parsed.malformed + ([] if self.request.calls_allowed else parsed.tool_calls)
         _log_malformed(self.request_id, [_as_dropped(event) for event in dropped])
         if not self.request.calls_allowed:
@@ -145,7 +149,7 @@ class ChatFormatter(_Formatter):
             "index": 0,
             "message": message,
             "logprobs": logprobs,
-            "finish_reason": finish_reason(output, bool(parsed.tool_calls)),
+            "finish_reason": client_finish_reason(output, bool(parsed.tool_calls)),
         }
         return self._envelope([choice], usage=self.usage(output)) | {"object": "chat.completion"}
 
@@ -192,12 +196,17 @@ class CompletionFormatter(_Formatter):
         logprobs = self._logprobs(output.new_logprobs) if self.request.params.logprobs is not None else None
         if not output.new_text and logprobs is None and not output.finished:
             return []
-        reason = finish_reason(output, False) if output.finished else None
+        reason = client_finish_reason(output, False) if output.finished else None
         return [self._envelope([{"index": 0, "text": output.new_text, "logprobs": logprobs, "finish_reason": reason}])]
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         logprobs = self._logprobs(output.logprobs or []) if self.request.params.logprobs is not None else None
-        choice = {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": finish_reason(output, False)}
+        choice = {
+            "index": 0,
+            "text": output.text,
+            "logprobs": logprobs,
+            "finish_reason": client_finish_reason(output, False),
+        }
         return self._envelope([choice], usage=self.usage(output))
 
     def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any]:
