@@ -28,7 +28,7 @@ from engine.model.args import ModelArgs
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, TokenLogprob
+from engine.sequence import Sequence, TokenLogprob, output_budget
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -105,7 +105,7 @@ class LLMEngine:
         if len(ids) >= self.kv_capacity_tokens:
             raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {self.kv_capacity_tokens}")
         seq = Sequence(ids, params, self.tokenizer.detokenizer())
-        seq.max_output = min(params.max_tokens, self.max_request_tokens - len(ids))
+        seq.max_output = output_budget(len(ids), params.max_tokens, self.max_request_tokens)
         if request_id is not None:
             seq.request_id = request_id
         self.sequences[seq.request_id] = seq

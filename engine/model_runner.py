@@ -408,9 +408,7 @@ class ModelRunner:
         results: list[tuple[int, TokenLogprob | None] | Exception] = []
         for row, seq in enumerate(sampled):
             try:
-                results.append(
-                    sample(logits[row], seq.params, seq.generator, seq.params.max_tokens - len(seq.output_ids))
-                )
+                results.append(sample(logits[row], seq.params, seq.generator, seq.remaining_output))
             except Exception as error:  # its grammar or its numbers: this request fails alone (llm_engine.py)
                 results.append(error)
         return LaunchedStep(sampled, results=results)

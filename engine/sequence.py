@@ -22,6 +22,13 @@ from engine.tokenizer import IncrementalDetokenizer
 _ids = itertools.count()
 
 
+def output_budget(prompt_len: int, max_tokens: int, max_request_tokens: int) -> int:
+    """The most tokens a request may generate: `max_tokens`, within the room that the longest request (the context,
+    or the KV pool when smaller) leaves after its prompt. The engine sets it once, when a request is added; the server
+    clamps a request's budget by the same rule, and the sampler's grammar counts down from it."""
+    return min(max_tokens, max_request_tokens - prompt_len)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -53,7 +60,7 @@ class Sequence:
     page_table: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None
     num_in_flight: int = 0  # sampled tokens still on the device, not yet in `output_ids`
-    # The most tokens it may generate: max_tokens, lowered by the engine so the request fits its context.
+    # The most tokens it may generate (`output_budget`), set when the engine adds it.
     max_output: int = field(init=False)
     stop_token_ids: frozenset[int] = field(init=False)
     stop_strings: StopStrings = field(init=False)
@@ -77,6 +84,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_in_flight
+
+    @property
+    def remaining_output(self) -> int:
+        """Tokens it may still generate, the next one included."""
+        return self.max_output - len(self.output_ids)
 
     @property
     def out_of_budget(self) -> bool:

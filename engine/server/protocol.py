@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.sequence import output_budget
 from engine.server.chat_encoding import ChatEncodingError, encode_messages
 from engine.server.grammar import GrammarError, Grammars, output_format
 from engine.server.tool_calls import ToolsError, parse_tool_policy
@@ -272,8 +273,9 @@ def _generation(
 def fit_max_tokens(
     prompt_len: int, requested: int | None, prompt_field: str, max_tokens_field: str, limits: Limits
 ) -> tuple[int, str | None]:
-    """The output budget: the room the context (and the KV pool) leaves after the prompt. A prompt that alone
-    fills it is refused; a larger request is clamped, and the returned warning says so."""
+    """The output budget (`output_budget`, the engine's rule): the room the context (and the KV pool) leaves after
+    the prompt. A prompt that alone fills it is refused; a larger request is clamped, and the returned warning says
+    so."""
     context = limits.context_length
     if prompt_len >= context:
         raise invalid(
@@ -291,7 +293,8 @@ def fit_max_tokens(
         )
     if requested is not None and requested < 1:
         raise invalid(f"{max_tokens_field} must be >= 1, got {requested}", max_tokens_field)
-    room = min(context, capacity) - prompt_len
+    max_request_tokens = min(context, capacity)
+    room = output_budget(prompt_len, max_request_tokens, max_request_tokens)
     if requested is None or requested <= room:
         return requested or room, None
     limit = f"context_length is {context}" if context <= capacity else f"the KV pool holds {capacity} tokens"

@@ -83,3 +83,20 @@ def test_prompt_at_the_context_length_is_refused(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", context_length=64)
     with pytest.raises(ValueError, match="64 tokens; context_length is 64"):
         llm.generate([5] * 64)
+
+
+def test_the_output_budget_is_set_once_and_the_grammar_counts_down_from_it(tiny_dir):
+    """A budget past the context is lowered when the request is added (the server clamps by the same rule), and a
+    grammar is told what is left of that budget, not of the max_tokens asked for."""
+    short = LLM(str(tiny_dir), dtype="float32", quant_sim=False, context_length=40)
+    seen: list[int] = []
+
+    class Recording:
+        def next_token(self, logits, remaining, draw):
+            seen.append(remaining)
+            return draw(logits)
+
+    params = SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True, constraint=Recording())
+    out = short.generate(list(range(2, 32)), params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+    assert seen == list(range(10, 0, -1))
