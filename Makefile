@@ -27,7 +27,7 @@ WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x8
 	manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
 FLASHGATE_COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
-.PHONY: run test lint browser-deps clean wheelhouse base-debian12 image-cpu
+.PHONY: run test lint browser-deps clean wheelhouse base-debian12 image-cpu image-docker-proxy
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,7 @@ test: $(DEV_STAMP) browser-deps
 lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	$(BIN)/hadolint --failure-threshold warning Dockerfile
+	$(BIN)/hadolint --failure-threshold warning Dockerfile deploy/docker-proxy/Dockerfile
 	$(BIN)/shellcheck bin/flashgate .ci/run .ci/dockerd
 
 # Browser tests drive Debian's chromium (Playwright never downloads a browser of its own here).
@@ -89,6 +89,10 @@ image-cpu: base-debian12
 		--build-arg SYSTEM_PACKAGES="$(DEBIAN12_PACKAGES)" \
 		--build-arg TORCH_VERSION=$(CPU_TORCH_VERSION) --build-arg WHEELHOUSE=1 \
 		--build-arg FLASHGATE_COMMIT=$(FLASHGATE_COMMIT) .
+
+## image-docker-proxy: the docker driver's socket proxy (deploy/docker-proxy/, Debian's haproxy) on the Debian 12 base
+image-docker-proxy: base-debian12
+	docker build --tag flashgate-docker-proxy:local --build-arg BASE_IMAGE=$(DEBIAN12_BASE) deploy/docker-proxy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -3,6 +3,7 @@
 The console never creates containers (the Docker socket is root-equivalent): it only starts, stops, restarts,
 inspects and reads the logs of the one container compose made, and hands the profile over as a file on the shared
 data volume that the engine's entrypoint reads. A kill is a stop with no grace, so the proxy needs nothing more.
+Every call names the container by its name, which is what the proxy filters on (deploy/docker-proxy/haproxy.cfg).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import docker
 from docker.errors import DockerException, NotFound
-from docker.models.containers import Container
 
 from app.db import utcnow
 from app.engine_control.driver import DriverError, EngineCommand, EngineHandle
@@ -26,10 +26,36 @@ ALL_INTERFACES = "0.0.0.0"
 HANDOFF_VERSION = 1
 
 
+class EngineContainer:
+    """The engine container, addressed by its name in every call. The SDK's Container objects address a container by
+    its id, which the socket proxy cannot know in advance: it lets the console reach this one name and nothing
+    else."""
+
+    def __init__(self, api: docker.APIClient, name: str) -> None:
+        self.api, self.name = api, name
+        self.attrs: dict = {}
+
+    @property
+    def short_id(self) -> str:
+        return self.attrs["Id"][:12]
+
+    def reload(self) -> None:
+        self.attrs = self.api.inspect_container(self.name)
+
+    def start(self) -> None:
+        self.api.start(self.name)
+
+    def stop(self, timeout: int) -> None:
+        self.api.stop(self.name, timeout=timeout)
+
+    def logs(self, **options) -> Iterator[bytes]:
+        return self.api.logs(self.name, **options)
+
+
 class DockerHandle:
     pid = None
 
-    def __init__(self, container: Container, since: int, log_path: Path) -> None:
+    def __init__(self, container: EngineContainer, since: int, log_path: Path) -> None:
         self.docker_container = container
         self.container = f"{container.name} ({container.short_id})"
         self.since = since
@@ -82,14 +108,16 @@ class DockerDriver:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.base_url = f"http://{settings.docker_engine_host}:{settings.engine_port}"
-        self._client: docker.DockerClient | None = None
+        self._client: docker.APIClient | None = None
 
-    def _container(self) -> Container:
+    def _container(self) -> EngineContainer:
         where = f"the Docker socket proxy at {self.settings.docker_host} (FLASHGATE_DOCKER_HOST)"
         try:
             if self._client is None:
-                self._client = docker.DockerClient(base_url=self.settings.docker_host, timeout=10)
-            return self._client.containers.get(self.settings.docker_container)
+                self._client = docker.APIClient(base_url=self.settings.docker_host, timeout=10)
+            container = EngineContainer(self._client, self.settings.docker_container)
+            container.reload()
+            return container
         except NotFound as exc:
             raise DriverError(
                 f"no container named {self.settings.docker_container!r} (FLASHGATE_DOCKER_CONTAINER): compose "

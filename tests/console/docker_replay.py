@@ -44,7 +44,9 @@ class DockerReplay:
         self.state = spec["initial_state"]
         self.seen: list[Seen] = []
         self._lock = threading.Lock()
-        refs = "|".join(re.escape(self.container[k]) for k in ("name", "id"))
+        # By name only: the socket proxy lets the console reach the engine container by its name and nothing else
+        # (deploy/docker-proxy/haproxy.cfg), so a call by id is refused there as it is here.
+        refs = re.escape(self.container["name"])
         self._exchanges = [
             (
                 x["state"],

@@ -61,13 +61,14 @@ def image(docker_daemon, request) -> str:
 class Stack:
     """One compose project of the operators' file set, addressed on loopback."""
 
-    def __init__(self, project: str, files: list[str], env: dict[str, str], url: str) -> None:
-        self.project, self.files, self.env, self.url = project, files, env, url
+    def __init__(self, project: str, files: list[str], profiles: list[str], env: dict[str, str], url: str) -> None:
+        self.project, self.files, self.profiles, self.env, self.url = project, files, profiles, env, url
         self.http = httpx.Client(base_url=url, timeout=60)
 
     def compose(self, *args: str, timeout: float = 300) -> str:
-        files = [arg for name in self.files for arg in ("-f", name)]
-        return _run(*compose_command(), "-p", self.project, *files, *args, env=self.env, timeout=timeout)
+        options = [arg for name in self.files for arg in ("-f", name)]
+        options += [arg for name in self.profiles for arg in ("--profile", name)]
+        return _run(*compose_command(), "-p", self.project, *options, *args, env=self.env, timeout=timeout)
 
     def container(self, service: str) -> str:
         ids = self.compose("ps", "-q", service).split()
@@ -161,9 +162,10 @@ def make_stack(image, models_dir) -> Iterator[Callable[..., Stack]]:
     left."""
     made: list[Stack] = []
 
-    def make(project: str, files: list[str], **settings: str) -> Stack:
+    def make(project: str, files: list[str], profiles: list[str] = (), **settings: str) -> Stack:
         port = free_port()
-        stack = Stack(project, files, stack_env(models_dir, port, **settings), f"http://127.0.0.1:{port}")
+        env = stack_env(models_dir, port, **settings)
+        stack = Stack(project, files, list(profiles), env, f"http://127.0.0.1:{port}")
         stack.compose("down", "--volumes", "--remove-orphans")  # a run killed before its teardown
         made.append(stack)
         return stack

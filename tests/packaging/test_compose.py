@@ -26,7 +26,6 @@ COMPOSE_TEXT = (ROOT / "compose.yaml").read_text()
 GPU_TEXT = (ROOT / "compose.gpu.yaml").read_text()
 # The operators' file sets (README, docs/deploy.md).
 FILE_SETS = {"cpu": ["compose.yaml"], "gpu": ["compose.yaml", "compose.gpu.yaml"]}
-DOCKER_API = json.loads((ROOT / "tests/console/docker_api/engine_container.json").read_text())
 
 # ${VAR}, ${VAR:-default}, ${VAR-default}; `$$` is a literal `$`.
 _VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
@@ -182,8 +181,10 @@ def test_docker_driver_profile_matches_the_console_defaults():
     assert engine["image"] == services["flashgate"]["image"] and engine["command"] == ["engine"]
     assert engine["volumes"] == services["flashgate"]["volumes"]
     assert engine["restart"] == "no" and "ports" not in engine and engine["healthcheck"] == {"disable": True}
-    # The proxy: pinned, never published, on an internal network it shares with the console alone.
-    assert re.fullmatch(r"lscr\.io/linuxserver/socket-proxy:\d+\.\d+\.\d+-r\d+-ls\d+", proxy["image"])
+    # The proxy: built here from Debian's haproxy, filtering on the engine container's name, never published, on an
+    # internal network it shares with the console alone. tests/container/test_docker_driver.py runs it.
+    assert proxy["image"] == "flashgate-docker-proxy:local" and proxy["build"]["context"] == "deploy/docker-proxy"
+    assert proxy["environment"] == {"ENGINE_CONTAINER": defaults.docker_container}
     assert "ports" not in proxy and proxy["networks"] == ["docker-control"]
     assert compose()["networks"]["docker-control"] == {"internal": True}
     assert [name for name, s in services.items() if "docker-control" in s.get("networks", [])] == [
@@ -194,94 +195,19 @@ def test_docker_driver_profile_matches_the_console_defaults():
     assert "root-equivalent" in COMPOSE_TEXT
 
 
-# The rules of linuxserver/socket-proxy's HAProxy template (root/templates/haproxy.cfg), in its order: the
-# ALLOW_* switches come before the POST gate, so with POST=0 they open start/stop and nothing else writes.
-_ID = r"^(/v[\d.]+)?/containers/[a-zA-Z0-9_.-]+/"
-_PROXY_RULES: list[tuple[str, str | None]] = [
-    (_ID + "((stop)|(restart)|(kill))", "ALLOW_RESTARTS"),
-    (_ID + "start", "ALLOW_START"),
-    (_ID + "stop", "ALLOW_STOP"),
-    (_ID + "pause", "ALLOW_PAUSE"),
-    (_ID + "unpause", "ALLOW_UNPAUSE"),
-    ("POST-GATE", None),
-    *(
-        (rf"^(/v[\d.]+)?/{section.lower()}", section)
-        for section in [
-            "AUTH",
-            "BUILD",
-            "COMMIT",
-            "CONFIGS",
-            "CONTAINERS",
-            "DISTRIBUTION",
-            "EVENTS",
-            "EXEC",
-            "GRPC",
-            "IMAGES",
-            "INFO",
-            "NETWORKS",
-            "NODES",
-            "PLUGINS",
-            "SECRETS",
-            "SERVICES",
-            "SESSION",
-            "SWARM",
-            "SYSTEM",
-            "TASKS",
-            "VERSION",
-            "VOLUMES",
-        ]
-    ),
-    (r"^(/v[\d.]+)?/_ping", "PING"),
-]
-# The image's own defaults (its Dockerfile ENV), under what compose sets.
-_PROXY_DEFAULTS = {"EVENTS": "1", "PING": "1", "VERSION": "1"}
-
-
-def _proxy_allows(env: dict[str, str], method: str, path: str) -> bool:
-    def on(name: str | None) -> bool:
-        return str(env.get(name, "0")).lower() in {"1", "true", "yes", "on"}
-
-    for pattern, switch in _PROXY_RULES:
-        if pattern == "POST-GATE":
-            if method not in {"GET", "HEAD"} and not on("POST"):
-                return False
-        elif re.search(pattern, path, re.IGNORECASE) and on(switch):
-            return True
-    return False
-
-
-def test_socket_proxy_allows_exactly_what_the_docker_driver_does():
-    env = {**_PROXY_DEFAULTS, **compose()["services"]["docker-proxy"]["environment"]}
-    container = DOCKER_API["container"]["name"]
-    # Every call of the driver's recorded Docker Engine API exchanges (tests/console/docker_api/) but restart,
-    # which the driver never makes (it stops, then starts).
-    used = {
-        (e["request"]["method"], e["request"]["path"].replace("{container}", container))
-        for e in DOCKER_API["exchanges"]
-    }
-    assert ("POST", f"/v1.47/containers/{container}/restart") in used
-    for method, path in used - {("POST", f"/v1.47/containers/{container}/restart")}:
-        assert _proxy_allows(env, method, path), (method, path)
-    refused = [
-        ("POST", "/v1.47/containers/create"),
-        ("POST", f"/v1.47/containers/{container}/exec"),
-        ("POST", f"/v1.47/containers/{container}/kill"),
-        ("POST", f"/v1.47/containers/{container}/restart"),
-        ("POST", f"/v1.47/containers/{container}/attach"),
-        ("POST", f"/v1.47/containers/{container}/update"),
-        ("DELETE", f"/v1.47/containers/{container}"),
-        ("POST", "/v1.47/images/create"),
-        ("GET", "/v1.47/images/json"),
-        ("POST", "/v1.47/volumes/create"),
-        ("GET", "/v1.47/info"),
-        ("GET", "/v1.47/events"),
-        ("POST", "/v1.47/exec/abc/start"),
-        ("POST", "/v1.47/build"),
-    ]
-    for method, path in refused:
-        assert not _proxy_allows(env, method, path), (method, path)
-    # The reads CONTAINERS=1 cannot separate from inspect and logs, as compose.yaml and docs/deploy.md say.
-    assert _proxy_allows(env, "GET", "/v1.47/containers/json")
+def test_socket_proxy_config_is_valid_haproxy():
+    """`haproxy -c` on the shipped filter, where Debian's haproxy is installed (.ci/dockerd installs it)."""
+    if shutil.which("haproxy") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI is set but haproxy is not installed: .ci/dockerd installs it")
+        pytest.skip("haproxy is not installed (apt-get install haproxy)")
+    done = subprocess.run(
+        ["haproxy", "-c", "-f", str(ROOT / "deploy/docker-proxy/haproxy.cfg")],
+        env={"ENGINE_CONTAINER": load_settings({}).docker_container, "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def _seconds(duration: str) -> float:
