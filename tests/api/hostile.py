@@ -9,7 +9,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -148,7 +148,7 @@ def numeric_groups(labels: Collection[str] | None = None) -> list:
 
 
 # Strings: every string field empty, huge, holding a lone surrogate, and of the wrong type.
-HUGE_TEXT = "hostile " * 25_000  # 200 KB: thousands of tokens, far past the 1024-token context
+HUGE_TEXT = "hostile " * 8192  # 64 KB: thousands of tokens, far past the 1024-token context
 STRINGS = {
     "empty": '""',
     "huge": json.dumps(HUGE_TEXT),
@@ -289,8 +289,11 @@ class Answer:
         return json.loads(self.text)["error"]
 
 
-def post(http: httpx.Client, path: str, content: bytes, *, stream: bool = False, timeout: float = 60) -> Answer:
-    """A raw POST; a stream is read up to its first event and then dropped (the server aborts it)."""
+def post(
+    http: httpx.Client, path: str, content: bytes | Iterator[bytes], *, stream: bool = False, timeout: float = 60
+) -> Answer:
+    """A raw POST (chunked, when `content` is an iterator); a stream is read up to its first event and then dropped
+    (the server aborts it)."""
     started = time.monotonic()
     with http.stream("POST", path, content=content, headers=JSON_HEADERS, timeout=timeout) as response:
         if stream and response.status_code == 200:
