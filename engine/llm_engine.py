@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.model_runner import ExpertCounts, LaunchedStep, MemoryReport, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob, output_budget
@@ -58,6 +58,30 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds right now (tokens of whole pages), as its server publishes it after each step."""
+
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    running: int
+    waiting: int
+    preemptions: int  # since boot
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """What the engine allocated at boot, as /server_info reports it."""
+
+    kv_capacity_tokens: int
+    kv_pages: int
+    kv_bytes_per_token: float
+    per_sequence_state_bytes: int
+    memory: MemoryReport
+    # Requests at full context the pool holds at once (a request holds whole pages).
+    max_concurrency_at_full_context: float
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -81,6 +105,34 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.scheduler.pool.capacity_tokens
+
+    def load(self) -> EngineLoad:
+        scheduler = self.scheduler
+        return EngineLoad(
+            kv_capacity_tokens=scheduler.pool.capacity_tokens,
+            kv_used_tokens=scheduler.pool.used_tokens,
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.num_preemptions,
+        )
+
+    def capacity(self) -> EngineCapacity:
+        runner = self.runner
+        return EngineCapacity(
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_pages=runner.pool.num_pages,
+            kv_bytes_per_token=runner.layout.bytes_per_token,
+            per_sequence_state_bytes=runner.layout.per_sequence_state_bytes,
+            memory=runner.memory,
+            max_concurrency_at_full_context=round(
+                runner.pool.num_pages / runner.layout.pages_for(self.context_length), 2
+            ),
+        )
+
+    @property
+    def expert_counts(self) -> ExpertCounts:
+        """The routed experts each MoE layer read, counted on the device (read when scraped)."""
+        return self.runner.expert_counts
 
     @property
     def applied_config(self) -> EngineConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -79,7 +80,7 @@ class EngineLoop:
         self.on_failure = on_failure
         self.request_timeout_s = engine.config.request_timeout_s
         self.stats = EngineStats(  # replaced whole, never mutated
-            kv_capacity_tokens=engine.kv_capacity_tokens, expert_counts=engine.runner.expert_counts
+            kv_capacity_tokens=engine.kv_capacity_tokens, expert_counts=engine.expert_counts
         )
         self.failure: BaseException | None = None
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -235,14 +236,9 @@ class EngineLoop:
             self._unfinished -= 1
 
     def _publish(self) -> None:
-        scheduler = self.engine.scheduler
         self.stats = EngineStats(
-            kv_capacity_tokens=scheduler.pool.capacity_tokens,
-            kv_used_tokens=scheduler.pool.used_tokens,
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            preemptions=scheduler.num_preemptions,
+            **dataclasses.asdict(self.engine.load()),
             prompt_tokens=self._counts["prompt_tokens"],
             generation_tokens=self._counts["generation_tokens"],
-            expert_counts=self.engine.runner.expert_counts,
+            expert_counts=self.engine.expert_counts,
         )

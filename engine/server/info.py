@@ -71,21 +71,15 @@ def capabilities(engine: LLMEngine, structured_output: bool) -> dict[str, Any]:
 
 
 def server_info(engine: LLMEngine, build: str, capabilities: dict[str, Any]) -> dict[str, Any]:
-    config = engine.applied_config
-    runner = engine.runner
-    context_length = config.context_length
+    config, capacity = engine.applied_config, dataclasses.asdict(engine.capacity())
+    memory = capacity.pop("memory")
     return {
         "model": config.model,
         "served_model_name": config.served_model_name,
         "build": build,
         "config": dataclasses.asdict(config),
-        "kv_capacity_tokens": engine.kv_capacity_tokens,
-        "kv_pages": runner.pool.num_pages,
-        "kv_bytes_per_token": runner.layout.bytes_per_token,
-        "per_sequence_state_bytes": runner.layout.per_sequence_state_bytes,
-        "gpu_memory": dataclasses.asdict(runner.memory),
-        # Requests at full context the pool holds at once (a request holds whole pages).
-        "max_concurrency_at_full_context": round(runner.pool.num_pages / runner.layout.pages_for(context_length), 2),
+        **capacity,
+        "gpu_memory": memory,
         "capabilities": capabilities,
     }
 
