@@ -64,12 +64,18 @@ def test_every_command_block_is_tested_or_says_why_not():
         "tests/packaging/test_docs.py::test_native_backup_block",
         "tests/packaging/test_docs.py::test_sqlite3_backup_block",
         "tests/packaging/test_docs.py::test_restore_block",
+        # On CI's Docker daemon (tests/container/): the CPU build, the CPU file set, the docker-driver profile.
+        "tests/container/conftest.py::image",
+        "tests/container/test_stack.py::test_default_stack_serves_through_the_route_and_keeps_its_volume",
+        "tests/container/test_docker_driver.py::test_console_drives_the_engine_container_through_the_proxy",
     }
 
 
 def test_docs_cover_the_hosts_and_the_socket_warning():
     for heading in (
         "## Linux with the NVIDIA container toolkit",
+        "## Air-gapped hosts",
+        "## A CPU host",
         "## Windows 11 with Docker Desktop and WSL2",
         "## Without Docker: systemd",
         "## Upgrading",
@@ -83,6 +89,10 @@ def test_docs_cover_the_hosts_and_the_socket_warning():
 def test_readme_links_the_deploy_docs_and_lists_the_new_settings():
     assert "(docs/deploy.md)" in README
     assert "not built in CI" in README and "docker compose build" in README and "--build-arg" in README
+    # Both file sets, and which steps CI exercises and which only a GPU host does.
+    assert "docker compose -f compose.yaml -f compose.gpu.yaml up -d" in README and "docker compose up -d" in README
+    assert "What CI exercises" in README and "What only a GPU host exercises" in README
+    assert "make wheelhouse" in README and "make wheelhouse" in DEPLOY and "WHEELHOUSE=1" in DEPLOY
     for setting in ("FLASHGATE_BUILD", "FLASHGATE_PYTHON", "FLASHGATE_GPU_COUNT", "FLASHGATE_PUBLISH"):
         assert f"`{setting}`" in README, setting
 
