@@ -17,11 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-# The bounds of issue 28's contract, as literals until engine.server.protocol exports MAX_STOP_STRINGS and
-# MAX_STOP_STRING_CHARS (the depth limit is named in the contract only).
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 1024
-MAX_JSON_DEPTH = 64
+from engine.server.protocol import MAX_JSON_DEPTH, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # A normal request takes ~0.1 s on the tiny CPU model; 3 s leaves room for two cores shared with other test runs
 # and is still far below the stalls the issue measured (14.7 s behind a 10 MB prompt, 24 s behind stop strings).
