@@ -206,7 +206,7 @@ def test_hostile_sampling_in_a_running_batch_leaves_the_others_whole(server):
     ask = {
         "model": MODEL,
         "prompt": "A long story",
-        "max_tokens": 48,
+        "max_tokens": 32,
         "temperature": 0,
         "extra_body": {"ignore_eos": True},
     }
