@@ -104,13 +104,10 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Requests that will wait for a running slot: those the scheduler holds waiting (as of the last step) and
-        those submitted since, beyond the slots still free. While the scheduler holds none waiting, a new request
-        takes a free slot of the max_num_seqs, so only what passes them waits."""
-        stats, unfinished = self.stats, self._unfinished
-        if stats.waiting:
-            return max(0, unfinished - stats.running)
-        return max(0, unfinished - self.engine.config.max_num_seqs)
+        """Requests beyond the max_num_seqs that run at once: those that wait for a running slot. Counted from the
+        requests submitted, not from the scheduler's queue as of the last step, where a burst's requests wait a step
+        for the token budget of their prefill (or for their turn) even while a slot is free for each."""
+        return max(0, self._unfinished - self.engine.config.max_num_seqs)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """From the event loop: queue a request; its outputs arrive on the returned stream."""

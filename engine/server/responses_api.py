@@ -19,6 +19,7 @@ deltas (`response.reasoning_summary_text.delta`, `response.output_text.delta`) o
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +45,7 @@ _SHARED_FIELDS = (
     "chat_template_kwargs",
 )
 _TEXT_PARTS = {"input_text", "output_text", "text"}
+_CHAT_TOOL_FIELD = re.compile(r"^(tools\[\d+\])\.function\.")
 
 
 def parse_responses(
@@ -60,9 +62,11 @@ def parse_responses(
             )
     try:
         request = parse_chat(_chat_body(body), tokenizer, limits, grammars)
-    except ApiError as error:
+    except ApiError as error:  # named as this request has it: its input, its flat function tools
         if error.param and error.param.startswith("messages"):
             error.param = "input"
+        elif error.param:
+            error.param = _CHAT_TOOL_FIELD.sub(r"\1.", error.param)
         raise
     request.echo = _echo(body)
     return request

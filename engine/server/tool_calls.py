@@ -134,7 +134,12 @@ def _tool(raw: Any, where: str) -> Tool:
         raise ToolsError(f"{where} must be {{'type': 'function', 'function': {{'name': …}}}}", where)
     name = function.get("name")
     if not isinstance(name, str) or not name or '"' in name or DSML in name or "\n" in name:
-        raise ToolsError(f"{where}.function.name must be a non-empty name without quotes or newlines", where)
+        raise ToolsError(
+            f"{where}.function.name must be a non-empty name without quotes or newlines", f"{where}.function.name"
+        )
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ToolsError(f"{where}.function.description must be a string", f"{where}.function.description")
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
