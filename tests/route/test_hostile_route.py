@@ -235,3 +235,31 @@ def test_a_body_too_large_for_the_context_is_refused_without_stalling_others(
     assert error["code"] in ("context_length_exceeded", "request_too_large"), error
     assert overlap.hostile.seconds < STALL_BOUND_S and overlap.normal_s < STALL_BOUND_S, overlap
     assert_still_serving(console, pid)
+
+
+def test_the_route_holds_no_more_agent_requests_than_production_admits(console, agent):
+    """The route's own bound, from production's admission limits: with max_num_seqs 1 and max_waiting_requests 1
+    it holds two agent requests (one running, one waiting); a third is the route's 429 with Retry-After, not a
+    connection pool's timeout. A held request that its client drops no longer counts. Last in the module: it
+    switches production to a narrow child."""
+    narrow = "route-narrow"
+    created = console.http.post(
+        f"/api/profiles/{PROFILE}/children",
+        json={"name": narrow, "rationale": "one running, one waiting", "max_num_seqs": 1, "cuda_graph_max_bs": 1,
+              "max_output_tokens": 900, "engine_extras": {"max_waiting_requests": 1}},
+        headers=ADMIN,
+    )  # fmt: skip
+    assert created.status_code == 201, created.text
+    approve(console.data_dir, narrow)
+    assert console.switched(console.switch(narrow))["status"] == "committed"
+    long = {"model": ALIAS, "prompt": "Hold on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with agent.stream("POST", COMPLETIONS, json=long) as first, agent.stream("POST", COMPLETIONS, json=long) as second:
+        assert (first.status_code, second.status_code) == (200, 200)
+        third = agent.post(COMPLETIONS, json=long | {"stream": False})
+        assert third.status_code == 429, third.text
+        error = third.json()["error"]
+        assert error["code"] == "route_full" and "max_num_seqs + max_waiting_requests = 2" in error["message"]
+        assert third.headers["retry-after"] == "1"
+    # Both clients went away: their requests leave the route's count (and the engine), so it admits again.
+    short = long | {"stream": False, "max_tokens": 1}
+    wait_until(lambda: agent.post(COMPLETIONS, json=short).status_code == 200, "the route admits again", 30)
