@@ -46,6 +46,7 @@ JSON_BYTES_PER_TEXT_BYTE = 6
 BODY_BYTES_FIXED = 1 << 20
 # Python's json decodes "\ud83d\ude00" to one character, so a surrogate left in a string is a lone one.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_CHECKED = (str, float, dict, list)  # what parse_body looks into; ints, booleans and nulls are always acceptable JSON
 
 
 class ApiError(Exception):
@@ -116,8 +117,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         elif isinstance(value, dict | list):
             if depth > MAX_JSON_DEPTH:
                 raise _too_deep(where)
-            if isinstance(value, list):
-                pending += ((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+            if isinstance(value, list):  # token ids come by the million: only what can hold a bad value is visited
+                pending += (
+                    (item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value) if isinstance(item, _CHECKED)
+                )
                 continue
             for key, item in value.items():
                 inner = f"{where}.{key}" if where else key
