@@ -1,4 +1,5 @@
-"""The console's one SQLite file: the engine, forward-only schema migrations, and a session per request.
+"""The console's one SQLite file: the engine, forward-only schema migrations, a session per request, and the write
+transactions of the threads beside the request handlers (runs, switches, the supervisor, the watch).
 
 Migrations are frozen SQL, not `metadata.create_all()`: the models describe the newest schema, and an old database
 must reach it step by step with its rows intact. `tests/console/test_db.py` checks that the models and the migrated
@@ -8,6 +9,7 @@ schema agree.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -331,3 +333,18 @@ def session_provider(engine: Engine) -> Callable[[], Iterator[Session]]:
             yield session
 
     return provide_db_session
+
+
+# A write that changes nothing: SQLite takes the write lock for any UPDATE, matched rows or not.
+TAKE_WRITE_LOCK = "UPDATE schema_version SET version = version WHERE 0"
+
+
+@contextmanager
+def writing(db: Engine) -> Iterator[Session]:
+    """A write transaction that takes the write lock with its first statement. In WAL mode SQLite fails a
+    transaction at once with "database is locked" when it read before its first write and another connection
+    committed in between (SQLITE_BUSY_SNAPSHOT, which no busy timeout waits out); one that locks first waits for the
+    lock instead (busy_timeout), then reads fresh rows."""
+    with Session(db) as session:
+        session.connection().exec_driver_sql(TAKE_WRITE_LOCK)
+        yield session

@@ -1,7 +1,9 @@
-"""The one shape of a rejected write: 422 with every offending field named, so a form can show each beside its input."""
+"""The one shape of a rejected write: 422 with every offending field named, so a form can show each beside its input;
+and the one rule for names (profiles, operators, tokens, agent keys)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from litestar.exceptions import ClientException, HTTPException
@@ -29,3 +31,18 @@ class Conflict(ClientException):
     """The request is well formed but the current state forbids it (a name taken, a profile with evidence)."""
 
     status_code = HTTP_409_CONFLICT
+
+
+NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
+NAME_MAX = 63
+
+
+def name_errors(name: str, field: str = "name") -> list[FieldError]:
+    if len(name) <= NAME_MAX and NAME_RE.fullmatch(name):
+        return []
+    return [
+        FieldError(
+            field,
+            f"{field} must be a lowercase slug of 1 to {NAME_MAX} characters (a-z, 0-9, single hyphens), got {name!r}",
+        )
+    ]

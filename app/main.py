@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 import structlog
-from litestar import Litestar, get
+from litestar import Litestar, Router, get
 from litestar.config.csrf import CSRFConfig
 from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
@@ -26,6 +26,7 @@ from sqlmodel import Session
 from app.audit.controller import AuditController
 from app.audit.pages import AuditPages
 from app.auth.controller import OperatorController
+from app.auth.guards import requires_viewer
 from app.auth.middleware import API_PREFIX, ROUTE_PREFIX, AuthenticationMiddleware, security_headers
 from app.auth.pages import SignInController
 from app.auth.service import CSRF_SECRET, appliance_secret, bootstrap_admin
@@ -38,24 +39,28 @@ from app.engine_control.docker_driver import DockerDriver
 from app.engine_control.driver import EngineDriver
 from app.engine_control.pages import DashboardPages
 from app.engine_control.process_driver import ProcessDriver
+from app.engine_control.slot import EngineSlot
 from app.engine_control.supervisor import Supervisor
 from app.logging import RequestLogMiddleware
 from app.profiles.controller import ProfileController
 from app.profiles.engine_options import warm_engine_options
 from app.profiles.pages import ProfilePages
-from app.profiles.service import ProfileService
+from app.profiles.service import ProfileFacts, ProfileService
 from app.promotion.controller import DecisionController, RouteController
-from app.promotion.pages import RoutePages
-from app.promotion.service import Promoter
-from app.promotion.smoke import route_smoke
+from app.promotion.decisions import Promoter
+from app.promotion.pages import DecisionPages, RoutePages
+from app.promotion.roles import roles_by_profile
+from app.promotion.switch import Switch, promotions_by_decision
 from app.qualification.controller import QualificationController
+from app.qualification.evidence import evidence_count
 from app.qualification.ladder import Qualifier
 from app.qualification.pages import QualificationPages
+from app.qualification.service import RunReading, profile_page
 from app.qualification.settings import load_qualification_settings
-from app.qualification.slot import EngineSlot
 from app.route.controller import AgentController, KeyController, RouteApiController
 from app.route.pages import AgentPages
 from app.route.proxy import AgentRoute
+from app.route.smoke import route_smoke
 from app.route.watch import ProductionWatch
 from app.settings import Settings, load_settings
 from app.telemetry.controller import TelemetryController
@@ -71,12 +76,22 @@ SEED_DIR = ROOT / "profiles"
 BUILD_HEADER = "X-Flashgate-Build"
 
 
+def run_reading(settings: Settings) -> RunReading:
+    return RunReading(settings.models_dir, promotions_by_decision)
+
+
+def profile_facts(settings: Settings) -> ProfileFacts:
+    """What the domains above profiles tell them (profiles import none of them)."""
+    page = functools.partial(profile_page, reading=run_reading(settings))
+    return ProfileFacts(roles=roles_by_profile, evidence_count=evidence_count, page=page)
+
+
 def prepare_database(settings: Settings) -> tuple[Engine, str]:
     """Migrate, seed the profiles, make sure an admin can exist; returns the engine and the CSRF secret."""
     engine = create_db_engine(settings.database_path)
     migrate(engine)
     with Session(engine) as session:
-        ProfileService(session, settings.models_dir).seed(SEED_DIR)
+        ProfileService(session, settings.models_dir, profile_facts(settings)).seed(SEED_DIR)
         setup_token = bootstrap_admin(session, settings.admin_token)
         csrf_secret = appliance_secret(session, CSRF_SECRET)
     if setup_token is not None:
@@ -106,9 +121,10 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
     checkpoint = TinyCheckpoint(settings.models_dir, settings.engine_logs_dir, engine)
     qualification = load_qualification_settings()
     slot = EngineSlot(engine, supervisor, settings.engine_boot_timeout_s)
-    qualifier = Qualifier(settings, qualification, engine, slot, gpus)
+    qualifier = Qualifier(settings, qualification, engine, slot, gpus, run_reading(settings))
     route = AgentRoute(settings, engine, supervisor, slot)
-    promoter = Promoter(settings, qualification, engine, slot, smoke=functools.partial(route_smoke, route))
+    switch = Switch(settings, qualification, engine, slot, smoke=functools.partial(route_smoke, route))
+    promoter = Promoter(settings, engine, slot, switch)
     watch = ProductionWatch(settings, engine, slot, promoter, route)
 
     def start_background_work() -> None:
@@ -116,7 +132,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         threading.Thread(target=warm_engine_options, name="engine-options", daemon=True).start()
         supervisor.recover()
         qualifier.recover()
-        promoter.recover()
+        switch.recover()
         checkpoint.ensure(settings.make_tiny)
         telemetry.start()
         watch.start()
@@ -126,7 +142,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         # engine goes with the console.
         watch.shutdown()
         qualifier.shutdown()
-        promoter.shutdown()
+        switch.shutdown()
         supervisor.shutdown()
         checkpoint.stop()
         telemetry.stop()
@@ -157,7 +173,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             readyz,
             OperatorController,
             ProfileController,
-            AuditController,
+            Router("/", route_handlers=[AuditController], guards=[requires_viewer]),
             RouteController,
             DecisionController,
             QualificationController,
@@ -167,7 +183,16 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             KeyController,
             RouteApiController,
             console_router(
-                [SignInController, DashboardPages, ProfilePages, QualificationPages, RoutePages, AgentPages, AuditPages]
+                [
+                    SignInController,
+                    DashboardPages,
+                    ProfilePages,
+                    QualificationPages,
+                    DecisionPages,
+                    RoutePages,
+                    AgentPages,
+                    AuditPages,
+                ]
             ),
             create_static_files_router(path="/static", directories=[STATIC_DIR], include_in_schema=False),
         ],
@@ -200,6 +225,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             {
                 "settings": settings,
                 "slot": slot,
+                "profile_facts": profile_facts(settings),
                 "attempts": AttemptLimit(),
                 "telemetry": telemetry,
                 "checkpoint": checkpoint,

@@ -15,3 +15,13 @@ class AuditRead(msgspec.Struct):
     before: dict[str, Any] | None
     after: dict[str, Any] | None
     request_id: str | None
+
+
+class AlertRead(msgspec.Struct, kw_only=True):
+    id: int
+    at: datetime
+    level: str
+    profile: str | None
+    message: str
+    acknowledged_at: datetime | None
+    acknowledged_by: str | None

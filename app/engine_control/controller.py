@@ -15,7 +15,7 @@ from app.auth.guards import requires_operator, requires_viewer
 from app.engine_control import service
 from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.schemas import EngineRead, LogTail, RestartRequest, RunRead, StartRequest
-from app.qualification.slot import EngineSlot
+from app.engine_control.slot import EngineSlot
 
 
 def provide_slot(state: State) -> EngineSlot:

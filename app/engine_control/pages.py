@@ -16,15 +16,15 @@ from litestar.response import Redirect, Template
 from litestar.status_codes import HTTP_200_OK
 from sqlmodel import Session
 
+from app.audit.alerts import alerts
 from app.auth.guards import requires_operator, requires_viewer
 from app.console import redirect
 from app.engine_control import service
 from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.schemas import RunRead
+from app.engine_control.slot import EngineSlot
 from app.errors import FieldError, InvalidFields
-from app.profiles.service import ProfileService
-from app.qualification.slot import EngineSlot
-from app.route.service import alerts
+from app.profiles.service import ProfileFacts, ProfileService
 from app.settings import Settings
 from app.telemetry.gpus import GIB, GpuSnapshot
 from app.telemetry.plot import Chart, line_chart
@@ -43,6 +43,7 @@ class Dashboard:
     slot: EngineSlot
     checkpoint: TinyCheckpoint
     telemetry: Telemetry
+    profile_facts: ProfileFacts
 
     def _chart(
         self,
@@ -87,7 +88,11 @@ class Dashboard:
         run = engine.run
         latest = self.telemetry.latest()
         reading = latest.engine if latest and latest.engine and run and latest.engine.run_id == run.id else None
-        profiles = [p for p in ProfileService(self.session, self.settings.models_dir).read_all() if not p.state.retired]
+        profiles = [
+            p
+            for p in ProfileService(self.session, self.settings.models_dir, self.profile_facts).read_all()
+            if not p.state.retired
+        ]
         startable = [p.name for p in profiles if not p.state.blockers]
         if selected not in startable:
             selected = run.profile if run and run.profile in startable else next(iter(startable), None)
@@ -111,7 +116,7 @@ class Dashboard:
 
 
 def provide_dashboard(db_session: NamedDependency[Session], state: State) -> Dashboard:
-    return Dashboard(db_session, state.settings, state.slot, state.checkpoint, state.telemetry)
+    return Dashboard(db_session, state.settings, state.slot, state.checkpoint, state.telemetry, state.profile_facts)
 
 
 class DashboardPages(Controller):

@@ -21,8 +21,8 @@ from app.engine_control.schemas import (
     PreflightCheckRead,
     RunRead,
 )
+from app.engine_control.slot import EngineSlot
 from app.profiles.models import Profile
-from app.qualification.slot import EngineSlot
 
 
 def _stage(entry: dict, started_at: datetime) -> BootStageRead:

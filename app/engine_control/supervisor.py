@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from app.audit import service as audit
-from app.db import utcnow
+from app.db import utcnow, writing
 from app.engine_control import logfiles
 from app.engine_control.bootlog import BootStage, LoadProgress, ReadyLine, parse_line
 from app.engine_control.driver import (
@@ -37,7 +37,6 @@ from app.engine_control.models import EngineRun, RunState
 from app.engine_control.preflight import GIB, Check, failures, memory_checks, profile_checks
 from app.errors import Conflict
 from app.profiles.models import Profile
-from app.qualification.writes import writing
 from app.settings import Settings
 from app.telemetry.gpus import Gpus, GpuSnapshot, engine_gpu_indices
 from app.telemetry.service import EngineTarget

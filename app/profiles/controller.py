@@ -15,7 +15,7 @@ from app.profiles.service import ProfileService
 
 
 def provide_profile_service(db_session: NamedDependency[Session], state: State) -> ProfileService:
-    return ProfileService(db_session, state.settings.models_dir)
+    return ProfileService(db_session, state.settings.models_dir, state.profile_facts)
 
 
 class ProfileController(Controller):

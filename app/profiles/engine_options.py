@@ -57,8 +57,8 @@ def engine_options() -> dict[str, EngineOption]:
 
 
 def warm_engine_options() -> None:
-    """Ask the engine now, before a write opens its transaction: a SQLite snapshot held across the engine's seconds of
-    start-up could no longer be written to once another write commits meanwhile."""
+    """Ask the engine now (the console does at its start, in the background), so the first write with extras need
+    not wait for the engine's seconds of start-up."""
     with contextlib.suppress(EngineOptionsUnavailable):  # said as a field error if the extras need them
         engine_options()
 

@@ -36,3 +36,17 @@ class Profile(SQLModel, table=True):
     retired: bool = False
     retired_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     retired_by: str | None = None
+
+
+# The one route alias's row: its production profile and the last known good.
+PRODUCTION = "production"
+
+
+class Route(SQLModel, table=True):
+    """Who holds the production role, and the last known good to roll back to (one row per route alias)."""
+
+    alias: str = Field(primary_key=True)
+    production_id: int | None = Field(default=None, foreign_key="profile.id")
+    rollback_id: int | None = Field(default=None, foreign_key="profile.id")
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    updated_by: str

@@ -18,13 +18,9 @@ from app.errors import FieldError, InvalidFields
 from app.profiles.controller import provide_profile_service
 from app.profiles.schemas import DTYPES, KV_CACHE_DTYPES, SETTINGS, ProfileChildCreate, ProfileRead
 from app.profiles.service import ProfileService
-from app.promotion.models import PRODUCTION, Route
-from app.qualification import service as qualification
-from app.qualification.slot import live_engine
 
 INT_SETTINGS = {"context_length", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"}
 INT_SETTINGS |= {"tensor_parallel_size", "max_output_tokens"}
-RECENT_RUNS = 5
 
 
 def _form_values(profile: ProfileRead) -> dict[str, str]:
@@ -86,18 +82,8 @@ class ProfilePages(Controller):
 
     @get("/profiles/{name:str}", sync_to_thread=True)
     def detail_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:
-        profile = profiles.read_one(name)
-        session = profiles.session
-        live = live_engine(session)
-        route = session.get(Route, PRODUCTION)
-        context = {
-            "profile": profile,
-            "runs": qualification.list_runs(session, profiles.get(name).id, profiles.models_dir, limit=RECENT_RUNS),
-            # What a run would stop (and restore afterwards).
-            "serving": live[1].name if live else None,
-            "serving_production": bool(live and route and route.production_id == live[1].id),
-        }
-        return Template("profiles/detail.html", context=context)
+        page = profiles.facts.page(profiles.session, profiles.get(name))
+        return Template("profiles/detail.html", context={"profile": profiles.read_one(name), **page})
 
     @get("/profiles/{name:str}/child", guards=[requires_operator], sync_to_thread=True)
     def child_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:

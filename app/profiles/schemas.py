@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -19,8 +18,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 # The limit when the model directory has no config.json to read max_position_embeddings from (DeepSeek-V4's own).
 DEFAULT_MODEL_MAX_CONTEXT = 1_048_576
-NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
-NAME_MAX = 63
 POSITIVE_INTS = (
     "context_length",
     "max_num_batched_tokens",
@@ -124,17 +121,6 @@ class ProfileRead(ProfileSettings, kw_only=True):
     warnings: list[str]
     # production, rollback, challenger, rejected (any that apply; none for a profile never qualified).
     roles: list[str]
-
-
-def name_errors(name: str, field: str = "name") -> list[FieldError]:
-    if len(name) <= NAME_MAX and NAME_RE.fullmatch(name):
-        return []
-    return [
-        FieldError(
-            field,
-            f"{field} must be a lowercase slug of 1 to {NAME_MAX} characters (a-z, 0-9, single hyphens), got {name!r}",
-        )
-    ]
 
 
 def settings_errors(s: ProfileSettings) -> list[FieldError]:

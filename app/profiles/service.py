@@ -7,6 +7,7 @@ request leaves nothing behind.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,14 @@ import msgspec
 import structlog
 import yaml
 from litestar.exceptions import NotFoundException
+from msgspec import UnsetType
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from app.audit import service as audit
 from app.db import utcnow
-from app.errors import Conflict, FieldError, InvalidFields
-from app.profiles.engine_options import extras_errors, warm_engine_options
+from app.errors import Conflict, FieldError, InvalidFields, name_errors
+from app.profiles.engine_options import extras_errors
 from app.profiles.models import Profile
 from app.profiles.schemas import (
     DEFAULT_MODEL_MAX_CONTEXT,
@@ -35,12 +37,9 @@ from app.profiles.schemas import (
     content_hash,
     diff_warnings,
     host_errors,
-    name_errors,
     settings_diff,
     settings_errors,
 )
-from app.promotion.roles import roles_by_profile
-from app.qualification.evidence import evidence_count
 
 log = structlog.get_logger(__name__)
 
@@ -92,23 +91,41 @@ def snapshot(profile: Profile, parent: Profile | None = None) -> dict[str, Any]:
     }
 
 
+def profile_named(session: Session, name: str) -> Profile:
+    """The profile of that name; 404 naming it when there is none."""
+    profile = session.exec(select(Profile).where(Profile.name == name)).first()
+    if profile is None:
+        raise NotFoundException(f"no profile named {name!r}")
+    return profile
+
+
+@dataclass(frozen=True)
+class ProfileFacts:
+    """What the domains above profiles know about them, passed in from app/main.py (profiles import none of them):
+    the roles each profile holds (production and rollback from the route, rejected from decisions, challenger from
+    runs), its evidence count (any evidence makes it immutable), and what its page shows besides its settings (its
+    recent runs, what a run would stop)."""
+
+    roles: Callable[[Session], dict[int, list[str]]]
+    evidence_count: Callable[[Session, int], int]
+    page: Callable[[Session, Profile], dict[str, Any]]
+
+
 class ProfileService:
-    def __init__(self, session: Session, models_dir: Path) -> None:
+    def __init__(self, session: Session, models_dir: Path, facts: ProfileFacts) -> None:
         self.session = session
         self.models_dir = models_dir
+        self.facts = facts
 
     # Reading
 
     def get(self, name: str) -> Profile:
-        profile = self.session.exec(select(Profile).where(Profile.name == name)).first()
-        if profile is None:
-            raise NotFoundException(f"no profile named {name!r}")
-        return profile
+        return profile_named(self.session, name)
 
     def read_all(self) -> list[ProfileRead]:
         profiles = self.session.exec(select(Profile).order_by(col(Profile.retired), Profile.name)).all()
         by_id = {p.id: p for p in profiles}
-        roles = roles_by_profile(self.session)
+        roles = self.facts.roles(self.session)
         return [
             self.read(
                 p, by_id.get(p.parent_id), sorted(c.name for c in profiles if c.parent_id == p.id), roles.get(p.id, [])
@@ -120,12 +137,12 @@ class ProfileService:
         profile = self.get(name)
         parent = self.session.get(Profile, profile.parent_id) if profile.parent_id else None
         children = self.session.exec(select(Profile.name).where(Profile.parent_id == profile.id)).all()
-        return self.read(profile, parent, sorted(children), roles_by_profile(self.session).get(profile.id, []))
+        return self.read(profile, parent, sorted(children), self.facts.roles(self.session).get(profile.id, []))
 
     def read(self, profile: Profile, parent: Profile | None, children: list[str], roles: list[str]) -> ProfileRead:
         settings = settings_of(profile)
         files = inspect_model(self.models_dir, profile.model)
-        evidence = evidence_count(self.session, profile.id)
+        evidence = self.facts.evidence_count(self.session, profile.id)
         blockers = [] if files.weights_present else ["weights missing"]
         blockers += [BLOCKER_LABELS[e.field] for e in host_errors(settings, files.max_context)]
         diff = settings_diff(settings_of(parent), settings) if parent else []
@@ -157,11 +174,16 @@ class ProfileService:
     # Writing
 
     def _write_errors(self, settings: ProfileSettings) -> list[FieldError]:
-        return (
-            settings_errors(settings)
-            + extras_errors(settings.engine_extras, SETTINGS)
-            + host_errors(settings, inspect_model(self.models_dir, settings.model).max_context)
+        return settings_errors(settings) + host_errors(
+            settings, inspect_model(self.models_dir, settings.model).max_context
         )
+
+    @staticmethod
+    def _extras_errors(extras: dict[str, Any] | UnsetType) -> list[FieldError]:
+        """The extras a write sets (a child keeps its parent's, checked when the parent was written), checked before
+        the write reads anything: the engine's first answer takes seconds, and a SQLite snapshot held across them
+        could not be written once another write committed meanwhile."""
+        return extras_errors(extras, SETTINGS) if isinstance(extras, dict) else []
 
     def _insert(self, actor: str, action: str, profile: Profile, parent: Profile | None, **extra: Any) -> Profile:
         """Add a validated profile and its audit row; a taken name surfaces here (the unique index decides, so two
@@ -188,9 +210,9 @@ class ProfileService:
         )
 
     def create(self, actor: str, data: ProfileCreate) -> Profile:
-        warm_engine_options()
+        extras = self._extras_errors(data.engine_extras)
         settings = ProfileSettings(**{f: getattr(data, f) for f in SETTINGS})
-        if errors := name_errors(data.name) + self._write_errors(settings):
+        if errors := name_errors(data.name) + extras + self._write_errors(settings):
             raise InvalidFields(errors)
         profile = self._insert(
             actor, "profile.create", self._new(data.name, data.rationale, settings, actor, None), None
@@ -200,11 +222,11 @@ class ProfileService:
 
     def create_child(self, actor: str, parent_name: str, data: ProfileChildCreate) -> Profile:
         """A copy of the parent with the requested changes; evidence never carries over."""
-        warm_engine_options()
+        extras = self._extras_errors(data.engine_extras)
         parent = self.get(parent_name)
         base = settings_of(parent)
         settings = msgspec.structs.replace(base, **data.as_dict())
-        errors = name_errors(data.name)
+        errors = name_errors(data.name) + extras
         if not data.rationale.strip():
             errors.append(
                 FieldError("rationale", "rationale is required for a child: say which setting changed and why")
@@ -223,16 +245,16 @@ class ProfileService:
 
     def update(self, actor: str, name: str, data: ProfileUpdate) -> Profile:
         """Change a profile in place; refused once it has evidence (then editing means making a child)."""
-        warm_engine_options()
+        extras = self._extras_errors(data.engine_extras)
         profile = self.get(name)
         if profile.retired:
             raise Conflict(f"profile {name!r} is retired and cannot change; make a child of it instead")
-        if count := evidence_count(self.session, profile.id):
+        if count := self.facts.evidence_count(self.session, profile.id):
             raise Conflict(
                 f"profile {name!r} is immutable: it has {count} evidence row(s); make a child of it to change a setting"
             )
         settings = msgspec.structs.replace(settings_of(profile), **data.as_dict())
-        if errors := self._write_errors(settings):
+        if errors := extras + self._write_errors(settings):
             raise InvalidFields(errors)
         parent = self.session.get(Profile, profile.parent_id) if profile.parent_id else None
         before = snapshot(profile, parent)
@@ -253,7 +275,7 @@ class ProfileService:
         profile = self.get(name)
         if profile.retired:
             raise Conflict(f"profile {name!r} is already retired")
-        held = [r for r in roles_by_profile(self.session).get(profile.id, []) if r in ROUTE_ROLES]
+        held = [r for r in self.facts.roles(self.session).get(profile.id, []) if r in ROUTE_ROLES]
         if held:
             raise Conflict(
                 f"profile {name!r} holds the {' and '.join(held)} role: retired, it could neither restart nor resume "

@@ -12,20 +12,16 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPT
 from sqlmodel import Session, col, select
 
 from app.auth.guards import requires_operator, requires_viewer
+from app.profiles.controller import provide_profile_service
 from app.profiles.models import Profile
+from app.profiles.roles import route_row
 from app.profiles.schemas import ProfileRead
-from app.profiles.service import ProfileService
+from app.profiles.service import ProfileService, profile_named
+from app.promotion.decisions import Promoter
 from app.promotion.models import Promotion, PromotionKind
-from app.promotion.schemas import (
-    DecisionCreate,
-    DecisionRead,
-    PlanRead,
-    PromotionRead,
-    PromotionRequest,
-    RollbackRequest,
-    RouteRead,
-)
-from app.promotion.service import Promoter, read_promotion, route_row
+from app.promotion.schemas import PlanRead, PromotionRead, PromotionRequest, RollbackRequest, RouteRead
+from app.promotion.switch import promotions_by_decision, read_promotion
+from app.qualification.schemas import DecisionCreate, DecisionRead
 from app.qualification.service import decisions_for
 
 
@@ -55,15 +51,19 @@ class RouteController(Controller):
         switch running now and the latest ones."""
         return promoter.route(db_session)
 
-    @get("/production", operation_id="getProductionProfile", sync_to_thread=True)
+    @get(
+        "/production",
+        operation_id="getProductionProfile",
+        sync_to_thread=True,
+        dependencies={"profiles": Provide(provide_profile_service, sync_to_thread=False)},
+    )
     def production(
-        self, db_session: NamedDependency[Session], promoter: NamedDependency[Promoter]
+        self, db_session: NamedDependency[Session], profiles: NamedDependency[ProfileService]
     ) -> ProfileRead | None:
         """The profile serving the agent route, or null when none has been promoted."""
         route = route_row(db_session)
         if route is None or route.production_id is None:
             return None
-        profiles = ProfileService(db_session, promoter.settings.models_dir)
         return profiles.read_one(db_session.get(Profile, route.production_id).name)
 
     @put("/production", guards=[requires_operator], operation_id="promoteProfile", sync_to_thread=True)
@@ -80,7 +80,7 @@ class RouteController(Controller):
         target and whether each can start now, and what would refuse it. 409 with the reason for an unqualified,
         stale or unapproved target; 423 while a transaction runs."""
         if data.dry_run:
-            profile = ProfileService(db_session, promoter.settings.models_dir).get(data.profile)
+            profile = profile_named(db_session, data.profile)
             refusals = promoter.target_refusals(db_session, profile)
             plan = promoter.plan(db_session, PromotionKind.promote, profile, refusals)
             return Response(plan, status_code=HTTP_200_OK)
@@ -144,13 +144,13 @@ class DecisionController(Controller):
         each failed gate, and starts the switch (`promotion` is its id). 422 naming the field; 409 for an
         unqualified, stale or aborted run; 423 while a transaction runs."""
         decision_id, _ = promoter.decide(request.user.name, name, data)
-        profile = ProfileService(db_session, promoter.settings.models_dir).get(name)
-        return next(d for d in decisions_for(db_session, profile.id) if d.id == decision_id)
+        profile = profile_named(db_session, name)
+        return next(d for d in decisions_for(db_session, profile.id, promotions_by_decision) if d.id == decision_id)
 
     @get("/", operation_id="listDecisions", sync_to_thread=True)
     def decisions(
         self, db_session: NamedDependency[Session], promoter: NamedDependency[Promoter], name: FromPath[str]
     ) -> list[DecisionRead]:
         """The profile's decisions, newest first, with their waivers."""
-        profile = ProfileService(db_session, promoter.settings.models_dir).get(name)
-        return decisions_for(db_session, profile.id)
+        profile = profile_named(db_session, name)
+        return decisions_for(db_session, profile.id, promotions_by_decision)

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from sqlmodel import Session, col, select
 
-from app.promotion.models import PRODUCTION, Decision, DecisionKind, Route
-from app.qualification.models import QualificationRun
+from app.profiles.roles import route_row
+from app.qualification.models import Decision, DecisionKind, QualificationRun
 
 ROLES = ("production", "rollback", "challenger", "rejected")
-
-
-def route_row(session: Session) -> Route | None:
-    return session.get(Route, PRODUCTION)
 
 
 def roles_by_profile(session: Session) -> dict[int, list[str]]:

@@ -19,43 +19,6 @@ class RollbackRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dry_run: bool = False
 
 
-class WaiverCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    gate: str
-    reason: str = ""
-
-
-class DecisionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """`promote`, `no_promotion` or `reject`, on a run (by default the profile's latest finished run). A promotion
-    needs `confirm` to be the profile's name, and a waiver with a reason for each failed gate."""
-
-    decision: str
-    reason: str = ""
-    confirm: str = ""
-    waivers: list[WaiverCreate] = msgspec.field(default_factory=list)
-    run: int | None = None
-
-
-class WaiverRead(msgspec.Struct):
-    gate: str
-    reason: str
-    operator: str
-    created_at: datetime
-
-
-class DecisionRead(msgspec.Struct, kw_only=True):
-    id: int
-    profile: str
-    run: int
-    decision: str
-    reason: str
-    operator: str
-    content_hash: str
-    created_at: datetime
-    waivers: list[WaiverRead]
-    # The switch a promotion decision started.
-    promotion: int | None = None
-
-
 class StepRead(msgspec.Struct):
     step: str
     status: str

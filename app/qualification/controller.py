@@ -13,7 +13,7 @@ from litestar.status_codes import HTTP_202_ACCEPTED
 from sqlmodel import Session
 
 from app.auth.guards import requires_operator, requires_viewer
-from app.profiles.service import ProfileService
+from app.profiles.service import profile_named
 from app.qualification import service
 from app.qualification.gates import LADDER
 from app.qualification.ladder import Qualifier
@@ -55,15 +55,15 @@ class QualificationController(Controller):
         `confirm_downtime` is not true (the run drains, stops and later restores it); 423 while another run or a
         switch holds the engine."""
         run_id = qualifier.start(request.user.name, name, bool(data and data.confirm_downtime))
-        return service.read_run(db_session, run_id, qualifier.settings.models_dir)
+        return service.read_run(db_session, run_id, qualifier.reading)
 
     @get("/profiles/{name:str}/qualifications", operation_id="listQualifications", sync_to_thread=True)
     def list_runs(
         self, db_session: NamedDependency[Session], qualifier: NamedDependency[Qualifier], name: FromPath[str]
     ) -> list[QualificationRead]:
         """The profile's runs, newest first."""
-        profile = ProfileService(db_session, qualifier.settings.models_dir).get(name)
-        return service.list_runs(db_session, profile.id, qualifier.settings.models_dir)
+        profile = profile_named(db_session, name)
+        return service.list_runs(db_session, profile.id, qualifier.reading)
 
     @get("/qualifications/{run_id:int}", operation_id="getQualification", sync_to_thread=True)
     def get_run(
@@ -73,7 +73,7 @@ class QualificationController(Controller):
         its step, elapsed seconds), per-gate results with inputs, pass rule, measurements and waivers, whether the
         evidence is stale, the console's proposal (with deltas against production on the same shape), and the
         decisions taken on it."""
-        return service.read_run(db_session, run_id, qualifier.settings.models_dir)
+        return service.read_run(db_session, run_id, qualifier.reading)
 
     @get("/qualifications/{run_id:int}/evidence", operation_id="getQualificationEvidence", sync_to_thread=True)
     def evidence(
@@ -81,4 +81,4 @@ class QualificationController(Controller):
     ) -> dict[str, Any]:
         """The evidence bundle: the run, the gate definitions, every observation (request, response excerpt, timings,
         usage), and the engine run with the end of its log."""
-        return service.bundle(db_session, run_id, qualifier.settings.models_dir)
+        return service.bundle(db_session, run_id, qualifier.reading)

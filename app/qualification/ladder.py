@@ -21,20 +21,20 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from app.audit import service as audit
-from app.db import utcnow
+from app.audit.alerts import raise_alert
+from app.audit.models import AlertLevel
+from app.db import utcnow, writing
 from app.engine_control.models import EngineRun
 from app.engine_control.preflight import failures, profile_checks
+from app.engine_control.slot import EngineSlot, Started, live_engine
 from app.errors import Conflict
-from app.profiles.models import Profile
-from app.promotion.models import PRODUCTION, Route
+from app.profiles.models import PRODUCTION, Profile, Route
 from app.qualification.client import EngineClient
-from app.qualification.gates import LADDER, LADDER_VERSION, Gate, GateContext, LadderPlan, Verdict
+from app.qualification.gates import LADDER
+from app.qualification.gates.base import LADDER_VERSION, Gate, GateContext, LadderPlan, Verdict
 from app.qualification.models import Evidence, GateResult, GateStatus, QualificationRun, RunStatus
+from app.qualification.service import RunReading
 from app.qualification.settings import QualificationSettings
-from app.qualification.slot import EngineSlot, Started, live_engine
-from app.qualification.writes import writing
-from app.route.models import AlertLevel
-from app.route.service import raise_alert
 from app.settings import Settings
 from app.telemetry.gpus import Gpus, engine_gpu_indices
 
@@ -56,8 +56,11 @@ class Qualifier:
         db: Engine,
         slot: EngineSlot,
         gpus: Gpus,
+        reading: RunReading,
     ) -> None:
         self.settings = settings
+        # How the API and the pages read its runs.
+        self.reading = reading
         self.qualification = qualification
         self.db = db
         self.slot = slot

@@ -93,3 +93,33 @@ class Evidence(SQLModel, table=True):
     gate: str
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     payload: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+
+
+class DecisionKind(StrEnum):
+    promote = "promote"
+    # Evidence read, not promoted: a decision too, so the record says someone looked.
+    no_promotion = "no_promotion"
+    reject = "reject"
+
+
+class Decision(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    profile_id: int = Field(foreign_key="profile.id", index=True)
+    run_id: int = Field(foreign_key="qualification_run.id")
+    decision: DecisionKind
+    reason: str
+    operator: str
+    # The content the decision is about: a later change of the profile's content leaves it behind.
+    content_hash: str
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class Waiver(SQLModel, table=True):
+    """A failed gate an operator accepts for one promotion decision, with the reason."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    decision_id: int = Field(foreign_key="decision.id", index=True)
+    gate: str
+    reason: str
+    operator: str
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)

@@ -16,10 +16,6 @@ from sqlmodel import Session
 
 from app.auth.guards import requires_operator, requires_viewer
 from app.console import redirect
-from app.errors import FieldError, InvalidFields
-from app.promotion.controller import provide_promoter
-from app.promotion.schemas import DecisionCreate, WaiverCreate
-from app.promotion.service import Promoter
 from app.qualification import service
 from app.qualification.controller import provide_qualifier
 from app.qualification.gates import GATES
@@ -36,70 +32,39 @@ RECOMMENDATION_LABELS = {
 }
 
 
-def decision_request(form: dict[str, str], run: QualificationRead) -> tuple[DecisionCreate, list[str]]:
-    """The decision form as the API's request: a checked `waive.<gate>` with its `waiver_reason.<gate>` is a waiver.
-    Returns the request and the waived gates in order, to put each error beside its gate."""
-    failed = [g.name for g in run.gates if g.status == "failed"]
-    waived = [gate for gate in failed if form.get(f"waive.{gate}")]
-    return (
-        DecisionCreate(
-            decision=form.get("decision", ""),
-            reason=form.get("reason", ""),
-            confirm=form.get("confirm", ""),
-            waivers=[WaiverCreate(gate=gate, reason=form.get(f"waiver_reason.{gate}", "")) for gate in waived],
-            run=run.id,
-        ),
-        waived,
-    )
-
-
-def form_errors(errors: list[FieldError], waived: list[str]) -> dict[str, str]:
-    """Errors by form field: `waivers[i].reason` belongs to the i-th waived gate's reason input."""
-    shown = {}
-    for error in errors:
-        field = error.field
-        if field.startswith("waivers[") and "]" in field:
-            index = int(field[len("waivers[") : field.index("]")])
-            field = f"waiver_reason.{waived[index]}" if index < len(waived) else "waivers"
-        shown[field] = error.message
-    return shown
+def run_context(session: Session, qualifier: Qualifier, run_id: int, **extra: Any) -> dict[str, Any]:
+    """What a run's page shows; `extra` holds the decision form's values and errors when it comes back refused."""
+    run = service.read_run(session, run_id, qualifier.reading)
+    return {
+        "run": run,
+        "labels": RECOMMENDATION_LABELS,
+        "values": {},
+        "errors": {},
+        **extra,
+    }
 
 
 class QualificationPages(Controller):
     guards = [requires_viewer]
-    dependencies = {
-        "qualifier": Provide(provide_qualifier, sync_to_thread=False),
-        "promoter": Provide(provide_promoter, sync_to_thread=False),
-    }
-
-    @staticmethod
-    def _context(session: Session, qualifier: Qualifier, run_id: int, **extra: Any) -> dict[str, Any]:
-        run = service.read_run(session, run_id, qualifier.settings.models_dir)
-        return {
-            "run": run,
-            "labels": RECOMMENDATION_LABELS,
-            "values": {},
-            "errors": {},
-            **extra,
-        }
+    dependencies = {"qualifier": Provide(provide_qualifier, sync_to_thread=False)}
 
     @get("/qualifications/{run_id:int}", sync_to_thread=True)
     def run_page(
         self, db_session: NamedDependency[Session], qualifier: NamedDependency[Qualifier], run_id: FromPath[int]
     ) -> Template:
-        return Template("qualification/run.html", context=self._context(db_session, qualifier, run_id))
+        return Template("qualification/run.html", context=run_context(db_session, qualifier, run_id))
 
     @get("/qualifications/{run_id:int}/live", sync_to_thread=True)
     def live(
         self, db_session: NamedDependency[Session], qualifier: NamedDependency[Qualifier], run_id: FromPath[int]
     ) -> Template:
-        return Template("qualification/_live.html", context=self._context(db_session, qualifier, run_id))
+        return Template("qualification/_live.html", context=run_context(db_session, qualifier, run_id))
 
     @get("/qualifications/{run_id:int}/report", sync_to_thread=True)
     def report(
         self, db_session: NamedDependency[Session], qualifier: NamedDependency[Qualifier], run_id: FromPath[int]
     ) -> Template:
-        context = self._context(db_session, qualifier, run_id)
+        context = run_context(db_session, qualifier, run_id)
         run: QualificationRead = context["run"]
         comparison = run.proposal.comparison
         theirs = service.performance_measurements(db_session, comparison.run) if comparison.run else None
@@ -115,7 +80,7 @@ class QualificationPages(Controller):
     def evidence_file(
         self, db_session: NamedDependency[Session], qualifier: NamedDependency[Qualifier], run_id: FromPath[int]
     ) -> Response:
-        bundle = service.bundle(db_session, run_id, qualifier.settings.models_dir)
+        bundle = service.bundle(db_session, run_id, qualifier.reading)
         return Response(
             json.dumps(bundle, indent=1),
             media_type="application/json",
@@ -134,29 +99,3 @@ class QualificationPages(Controller):
     ) -> Response:
         run_id = qualifier.start(request.user.name, name, data.get("confirm_downtime") == "on")
         return redirect(request, f"/qualifications/{run_id}")
-
-    @post(
-        "/qualifications/{run_id:int}/decisions",
-        guards=[requires_operator],
-        status_code=HTTP_200_OK,
-        sync_to_thread=True,
-    )
-    def decide(
-        self,
-        request: HTMXRequest,
-        db_session: NamedDependency[Session],
-        qualifier: NamedDependency[Qualifier],
-        promoter: NamedDependency[Promoter],
-        run_id: FromPath[int],
-        data: URLEncodedBody[dict[str, str]],
-    ) -> Response:
-        run = service.read_run(db_session, run_id, qualifier.settings.models_dir)
-        decision, waived = decision_request(data, run)
-        try:
-            _, promotion = promoter.decide(request.user.name, run.profile, decision)
-        except InvalidFields as exc:
-            # The form again with every error beside its input; a 409 or 423 shows as the page's notice instead.
-            context = self._context(db_session, qualifier, run_id, values=data, errors=form_errors(exc.errors, waived))
-            template = "qualification/_decision.html" if request.htmx else "qualification/run.html"
-            return Template(template, context=context, status_code=exc.status_code)
-        return redirect(request, "/route" if promotion else f"/qualifications/{run_id}")

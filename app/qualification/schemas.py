@@ -5,8 +5,6 @@ from typing import Any
 
 import msgspec
 
-from app.promotion.schemas import DecisionRead, WaiverRead
-
 
 class QualifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Start a run. When an engine is serving, the run drains, stops and later restores it: say so with
@@ -122,3 +120,40 @@ class ObservationRead(msgspec.Struct):
     gate: str
     created_at: datetime
     payload: dict[str, Any]
+
+
+class WaiverCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    gate: str
+    reason: str = ""
+
+
+class DecisionCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`promote`, `no_promotion` or `reject`, on a run (by default the profile's latest finished run). A promotion
+    needs `confirm` to be the profile's name, and a waiver with a reason for each failed gate."""
+
+    decision: str
+    reason: str = ""
+    confirm: str = ""
+    waivers: list[WaiverCreate] = msgspec.field(default_factory=list)
+    run: int | None = None
+
+
+class WaiverRead(msgspec.Struct):
+    gate: str
+    reason: str
+    operator: str
+    created_at: datetime
+
+
+class DecisionRead(msgspec.Struct, kw_only=True):
+    id: int
+    profile: str
+    run: int
+    decision: str
+    reason: str
+    operator: str
+    content_hash: str
+    created_at: datetime
+    waivers: list[WaiverRead]
+    # The switch a promotion decision started.
+    promotion: int | None = None

@@ -3,6 +3,8 @@ production on the same shape, and the evidence bundle."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,13 +18,14 @@ from app.db import utcnow
 from app.engine_control import logfiles
 from app.engine_control.models import EngineRun
 from app.engine_control.preflight import FingerprintError, weights_fingerprint
-from app.profiles.models import Profile
-from app.promotion.models import PRODUCTION, Decision, Promotion, Route, Waiver
-from app.promotion.schemas import DecisionRead, WaiverRead
+from app.engine_control.slot import live_engine
+from app.profiles.models import PRODUCTION, Profile, Route
+from app.profiles.roles import production_id
 from app.qualification.gates import GATES
-from app.qualification.models import Evidence, GateResult, GateStatus, QualificationRun, RunStatus
+from app.qualification.models import Decision, Evidence, GateResult, GateStatus, QualificationRun, RunStatus, Waiver
 from app.qualification.schemas import (
     ComparisonRead,
+    DecisionRead,
     DeltaRead,
     GateRead,
     ObservationRead,
@@ -30,6 +33,7 @@ from app.qualification.schemas import (
     ProposalRead,
     QualificationRead,
     StalenessRead,
+    WaiverRead,
 )
 
 BUNDLE_SCHEMA = "flashgate.evidence/v1"
@@ -88,7 +92,22 @@ def staleness(session: Session, run: QualificationRun, profile: Profile, models_
     return StalenessRead(bool(reasons), reasons)
 
 
-def decisions_for(session: Session, profile_id: int, run_id: int | None = None) -> list[DecisionRead]:
+# Which switch each decision started, by decision id: the promotion domain's to say (passed in from app/main.py).
+Switches = Callable[[Session, list[int]], dict[int, int]]
+
+
+@dataclass(frozen=True)
+class RunReading:
+    """What reading a run needs besides the database: the models directory (staleness reads the weights) and the
+    switch each of its decisions started."""
+
+    models_dir: Path
+    switches: Switches
+
+
+def decisions_for(
+    session: Session, profile_id: int, switches: Switches, run_id: int | None = None
+) -> list[DecisionRead]:
     query = select(Decision, Profile.name).join(Profile, col(Profile.id) == Decision.profile_id)
     query = query.where(Decision.profile_id == profile_id) if run_id is None else query.where(Decision.run_id == run_id)
     rows = session.exec(query.order_by(col(Decision.id).desc())).all()
@@ -98,7 +117,7 @@ def decisions_for(session: Session, profile_id: int, run_id: int | None = None) 
         waivers.setdefault(waiver.decision_id, []).append(
             WaiverRead(waiver.gate, waiver.reason, waiver.operator, waiver.created_at)
         )
-    from_decision = promotions_by_decision(session, ids)
+    from_decision = switches(session, ids)
     return [
         DecisionRead(
             id=d.id,
@@ -114,11 +133,6 @@ def decisions_for(session: Session, profile_id: int, run_id: int | None = None) 
         )
         for d, name in rows
     ]
-
-
-def promotions_by_decision(session: Session, decision_ids: list[int]) -> dict[int, int]:
-    rows = session.exec(select(Promotion.decision_id, Promotion.id).where(col(Promotion.decision_id).in_(decision_ids)))
-    return {decision_id: promotion_id for decision_id, promotion_id in rows}
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
@@ -241,7 +255,7 @@ def _gate_read(row: GateResult, observations: int, waiver: WaiverRead | None) ->
     )
 
 
-def read_run(session: Session, run_id: int, models_dir: Path) -> QualificationRead:
+def read_run(session: Session, run_id: int, reading: RunReading) -> QualificationRead:
     run = get_run(session, run_id)
     profile = session.get(Profile, run.profile_id)
     gates = gate_rows(session, run_id)
@@ -250,11 +264,11 @@ def read_run(session: Session, run_id: int, models_dir: Path) -> QualificationRe
             select(Evidence.gate, func.count()).where(Evidence.run_id == run_id).group_by(col(Evidence.gate))
         ).all()
     )
-    decisions = decisions_for(session, profile.id, run_id)
+    decisions = decisions_for(session, profile.id, reading.switches, run_id)
     # The waivers of the latest promotion decision on this run are the ones in force.
     promote = next((d for d in decisions if d.decision == "promote"), None)
     waived = {w.gate: w for w in promote.waivers} if promote else {}
-    stale = staleness(session, run, profile, models_dir)
+    stale = staleness(session, run, profile, reading.models_dir)
     compared = comparison(session, run, profile)
     status_counts: dict[str, int] = {}
     for row in gates:
@@ -284,14 +298,14 @@ def read_run(session: Session, run_id: int, models_dir: Path) -> QualificationRe
     )
 
 
-def list_runs(session: Session, profile_id: int, models_dir: Path, limit: int = 20) -> list[QualificationRead]:
+def list_runs(session: Session, profile_id: int, reading: RunReading, limit: int = 20) -> list[QualificationRead]:
     ids = session.exec(
         select(QualificationRun.id)
         .where(QualificationRun.profile_id == profile_id)
         .order_by(col(QualificationRun.id).desc())
         .limit(limit)
     ).all()
-    return [read_run(session, run_id, models_dir) for run_id in ids]
+    return [read_run(session, run_id, reading) for run_id in ids]
 
 
 def observations(session: Session, run_id: int, gate: str | None = None) -> list[ObservationRead]:
@@ -303,10 +317,10 @@ def observations(session: Session, run_id: int, gate: str | None = None) -> list
     ]
 
 
-def bundle(session: Session, run_id: int, models_dir: Path) -> dict[str, Any]:
+def bundle(session: Session, run_id: int, reading: RunReading) -> dict[str, Any]:
     """Everything the run left, as one JSON document: the run with its gates, proposal and decisions, the gate
     definitions, every observation, and the engine run with the end of its log."""
-    run = read_run(session, run_id, models_dir)
+    run = read_run(session, run_id, reading)
     row = get_run(session, run_id)
     profile = session.get(Profile, row.profile_id)
     engine = session.get(EngineRun, row.engine_run_id) if row.engine_run_id else None
@@ -346,4 +360,18 @@ def bundle(session: Session, run_id: int, models_dir: Path) -> dict[str, Any]:
         "gate_definitions": [GATES[g.name].definition() for g in run.gates],
         "observations": msgspec.to_builtins(observations(session, run_id)),
         "engine_run": engine_part,
+    }
+
+
+RECENT_RUNS = 5
+
+
+def profile_page(session: Session, profile: Profile, reading: RunReading) -> dict[str, Any]:
+    """What a profile's page shows from qualification: its recent runs, and what a run of it would stop (and restore
+    afterwards)."""
+    live = live_engine(session)
+    return {
+        "runs": list_runs(session, profile.id, reading, limit=RECENT_RUNS),
+        "serving": live[1].name if live else None,
+        "serving_production": bool(live and production_id(session) == live[1].id),
     }

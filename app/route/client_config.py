@@ -12,7 +12,7 @@ from sqlmodel import Session, col, select
 from app.engine_control.models import EngineRun
 from app.errors import Conflict
 from app.profiles.models import Profile
-from app.promotion.roles import route_row
+from app.profiles.roles import route_row
 from app.route.schemas import ClientConfigRead
 
 CLIENTS = ("pi", "openai")

@@ -14,11 +14,12 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_201_CREATED, HTTP_204_NO_CONTENT
 from sqlmodel import Session
 
+from app.audit.schemas import AlertRead
 from app.auth.guards import requires_operator, requires_viewer
 from app.route import service
 from app.route.client_config import client_config
 from app.route.proxy import MODELS, AgentRoute, Body, RouteError
-from app.route.schemas import AlertRead, ClientConfigRead, IssuedKey, KeyCreate, KeyRead, MetricsRead
+from app.route.schemas import ClientConfigRead, IssuedKey, KeyCreate, KeyRead, MetricsRead
 from app.settings import Settings
 
 # An agent's whole conversation travels in each request (the engine takes the same); the route refuses far less

@@ -1,10 +1,8 @@
-"""The agent route's records: agent API keys (stored as sha256), request counts and latency per caller and profile,
-and the alerts the production watch raises for operators."""
+"""The agent route's records: agent API keys (stored as sha256), request counts and latency per caller and profile."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from enum import StrEnum
 
 from sqlalchemy import JSON, Column
 from sqlmodel import Field, SQLModel
@@ -49,21 +47,3 @@ class RouteUsage(SQLModel, table=True):
         default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1), sa_column=Column(JSON, nullable=False)
     )
     last_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-
-
-class AlertLevel(StrEnum):
-    warning = "warning"
-    error = "error"
-
-
-class Alert(SQLModel, table=True):
-    """Something an operator must see: production crashed, hung, was restarted or rolled back. Open until
-    acknowledged."""
-
-    id: int | None = Field(default=None, primary_key=True)
-    at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    level: AlertLevel
-    profile: str | None = None
-    message: str
-    acknowledged_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    acknowledged_by: str | None = None

@@ -11,6 +11,7 @@ from litestar.response import Template
 from litestar.status_codes import HTTP_200_OK
 from sqlmodel import Session
 
+from app.audit.alerts import acknowledge, alerts
 from app.auth.guards import requires_operator, requires_viewer
 from app.route import service
 from app.route.client_config import CLIENTS, client_config
@@ -46,7 +47,7 @@ class AgentPages(Controller):
             "name": "",
             "by_key": by_key,
             "by_profile": by_profile,
-            "alerts": service.alerts(db_session),
+            "alerts": alerts(db_session),
         }
         return Template("route/agents.html", context=context)
 
@@ -74,7 +75,7 @@ class AgentPages(Controller):
 
     @get(ALERTS, sync_to_thread=True)
     def alerts(self, db_session: NamedDependency[Session]) -> Template:
-        return Template("route/_alerts.html", context={"alerts": service.alerts(db_session)})
+        return Template("route/_alerts.html", context={"alerts": alerts(db_session)})
 
     @post(
         f"{ALERTS}/{{alert_id:int}}/acknowledge",
@@ -83,5 +84,5 @@ class AgentPages(Controller):
         sync_to_thread=True,
     )
     def acknowledge(self, request: Request, db_session: NamedDependency[Session], alert_id: FromPath[int]) -> Template:
-        service.acknowledge(db_session, request.user.name, alert_id)
-        return Template("route/_alerts.html", context={"alerts": service.alerts(db_session)})
+        acknowledge(db_session, request.user.name, alert_id)
+        return Template("route/_alerts.html", context={"alerts": alerts(db_session)})

@@ -35,10 +35,10 @@ from litestar.exceptions import HTTPException
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
+from app.engine_control.slot import EngineSlot
 from app.engine_control.supervisor import Supervisor
 from app.profiles.models import Profile
-from app.promotion.roles import route_row
-from app.qualification.slot import EngineSlot
+from app.profiles.roles import route_row
 from app.route.clamp import BudgetError, clamp
 from app.route.service import UsageBook, key_for_secret
 from app.settings import Settings
@@ -57,6 +57,8 @@ RESPONSES_TERMINAL = {"response.completed", "response.incomplete", "response.fai
 # conversation as JSON takes about 4 bytes a token, 9 for CJK text with \u escapes; 32 leaves room for any real one.
 BODY_BYTES_PER_TOKEN = 32
 BODY_BYTES_FIXED = 1 << 20
+# The engine refuses JSON nested deeper (engine/server/protocol.py; the planes share no code, a test holds them equal).
+MAX_JSON_DEPTH = 64
 
 
 def body_limit(context_length: int) -> int:
@@ -299,8 +301,9 @@ class AgentRoute:
         """The request as the engine gets it: the alias swapped for the engine's served name, the budget clamped."""
         try:
             body = json.loads(raw)
-        except RecursionError as exc:
-            raise RouteError(400, "the request body's JSON nests too deeply", "invalid_json") from exc
+        except RecursionError as exc:  # past Python's reader (~1,000 levels), so past the engine's limit too
+            message = f"the request body nests deeper than {MAX_JSON_DEPTH} levels, the engine's limit"
+            raise RouteError(400, message, "invalid_json") from exc
         except ValueError as exc:
             raise RouteError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from exc
         if not isinstance(body, dict):

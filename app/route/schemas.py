@@ -62,13 +62,3 @@ class ClientConfigRead(msgspec.Struct, kw_only=True):
     max_tokens: int
     # The Pi models.json object itself (None for the snippet).
     config: dict[str, Any] | None
-
-
-class AlertRead(msgspec.Struct, kw_only=True):
-    id: int
-    at: datetime
-    level: str
-    profile: str | None
-    message: str
-    acknowledged_at: datetime | None
-    acknowledged_by: str | None

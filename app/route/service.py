@@ -15,12 +15,15 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from app.audit import service as audit
-from app.db import utcnow
-from app.errors import Conflict, InvalidFields
-from app.profiles.schemas import name_errors
-from app.qualification.writes import writing
-from app.route.models import LATENCY_BUCKETS_S, AgentKey, Alert, AlertLevel, RouteUsage
-from app.route.schemas import AlertRead, KeyRead, UsageRead
+
+# The route's alert API (app/route/controller.py) calls these as service.alerts and service.acknowledge; they are the
+# audit domain's, where every domain raises alerts.
+from app.audit.alerts import acknowledge as acknowledge
+from app.audit.alerts import alerts as alerts
+from app.db import utcnow, writing
+from app.errors import Conflict, InvalidFields, name_errors
+from app.route.models import LATENCY_BUCKETS_S, AgentKey, RouteUsage
+from app.route.schemas import KeyRead, UsageRead
 
 # Operator tokens start with "fg_"; a key in a log or a secret scanner says which kind it is.
 KEY_PREFIX = "fg-"
@@ -193,41 +196,3 @@ def usage(session: Session) -> tuple[list[UsageRead], list[UsageRead]]:
         return sorted((_usage(name, group) for name, group in groups.items()), key=lambda u: (-u.requests, u.name))
 
     return ordered(by_key), ordered(by_profile)
-
-
-# Alerts
-
-
-def raise_alert(session: Session, level: AlertLevel, profile: str | None, message: str) -> None:
-    """Add an alert to the caller's transaction (beside the audit row of what happened)."""
-    session.add(Alert(level=level, profile=profile, message=message))
-
-
-def read_alert(alert: Alert) -> AlertRead:
-    return AlertRead(
-        id=alert.id,
-        at=alert.at,
-        level=alert.level,
-        profile=alert.profile,
-        message=alert.message,
-        acknowledged_at=alert.acknowledged_at,
-        acknowledged_by=alert.acknowledged_by,
-    )
-
-
-def alerts(session: Session, include_acknowledged: bool = False, limit: int = 50) -> list[AlertRead]:
-    query = select(Alert).order_by(col(Alert.id).desc()).limit(limit)
-    if not include_acknowledged:
-        query = query.where(col(Alert.acknowledged_at).is_(None))
-    return [read_alert(a) for a in session.exec(query)]
-
-
-def acknowledge(session: Session, actor: str, alert_id: int) -> AlertRead:
-    alert = session.get(Alert, alert_id)
-    if alert is None:
-        raise NotFoundException(f"no alert with id {alert_id}")
-    if alert.acknowledged_at is None:
-        alert.acknowledged_at, alert.acknowledged_by = utcnow(), actor
-        audit.record(session, actor, "alert.acknowledge", f"alert:{alert_id}", after={"message": alert.message})
-        session.commit()
-    return read_alert(alert)

@@ -31,17 +31,17 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from app.audit import service as audit
+from app.audit.alerts import raise_alert
+from app.audit.models import AlertLevel
+from app.db import writing
 from app.engine_control.models import EngineRun, RunState
+from app.engine_control.slot import EngineSlot, Locked, live_engine
 from app.errors import Conflict
 from app.profiles.models import Profile
-from app.promotion.roles import route_row
-from app.promotion.service import Promoter
-from app.promotion.smoke import route_smoke
-from app.qualification.slot import EngineSlot, Locked, live_engine
-from app.qualification.writes import writing
-from app.route.models import AlertLevel
+from app.profiles.roles import route_row
+from app.promotion.decisions import Promoter
 from app.route.proxy import WATCH_CANARY, AgentRoute
-from app.route.service import raise_alert
+from app.route.smoke import route_smoke
 from app.settings import Settings
 
 log = structlog.get_logger(__name__)

@@ -10,20 +10,19 @@ from pathlib import Path
 import pytest
 
 from app.qualification.client import MAX_TEXT, EngineClient, Exchange, shorten
-from app.qualification.gates import (
-    GATES,
-    LADDER,
+from app.qualification.gates import GATES, LADDER
+from app.qualification.gates.base import (
     NEEDLE_SENTENCE,
     Calibration,
-    ClientShapes,
     GateContext,
     LadderPlan,
     finish_problem,
     haystack,
     percentile,
-    request_metrics,
     tool_call_problems,
 )
+from app.qualification.gates.context import ClientShapes
+from app.qualification.gates.performance import request_metrics
 from app.qualification.models import GateStatus
 from app.qualification.plot import PLOT_W, bar_chart
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from app.errors import name_errors
 from app.profiles.schemas import (
     DEFAULT_MODEL_MAX_CONTEXT,
     ProfileSettings,
     content_hash,
     diff_warnings,
     host_errors,
-    name_errors,
     settings_diff,
     settings_errors,
 )

@@ -5,25 +5,15 @@ that must answer."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from app.qualification.gates import SMOKE_PROMPT
+from app.promotion.switch import SmokeResult
+from app.qualification.gates.answers import SMOKE_PROMPT
 from app.route.proxy import SWITCH_SMOKE, AgentRoute, RouteError
 
 SMOKE_MAX_TOKENS = 16
 SMOKE_TIMEOUT_S = 120.0
 ENDPOINT = "/v1/chat/completions"
-
-
-@dataclass(frozen=True)
-class SmokeResult:
-    ok: bool
-    detail: str
-    # The build the engine reports, which must be the build the profile was qualified on.
-    build: str | None
-    # The HTTP status of the answer, None when none came.
-    status: int | None = None
 
 
 def route_smoke(
