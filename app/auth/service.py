@@ -17,8 +17,7 @@ from sqlmodel import Session, col, select
 from app.audit import service as audit
 from app.auth.models import Operator, Role, Secret, Token, TokenKind
 from app.db import utcnow
-from app.errors import Conflict, InvalidFields
-from app.errors import name_errors
+from app.errors import Conflict, InvalidFields, name_errors
 
 log = structlog.get_logger(__name__)
 
