@@ -23,9 +23,10 @@ from pathlib import Path
 import structlog
 import torch
 
+from engine.boot import MemoryReport, boot
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
-from engine.model_runner import ExpertCounts, LaunchedStep, MemoryReport, ModelRunner
+from engine.model_runner import ExpertCounts, LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob, output_budget
@@ -93,8 +94,9 @@ class LLMEngine:
                 f"{self.model_args.max_position_embeddings}"
             )
         self.tokenizer = Tokenizer.from_model_dir(config.model)
-        self.runner = ModelRunner(config, self.context_length)
-        self.scheduler = Scheduler(config, self.runner.pool, self.runner.release)
+        self.booted = boot(config, self.context_length)
+        self.runner = ModelRunner(self.booted)
+        self.scheduler = Scheduler(config, self.booted.pool, self.runner.release)
         # One request alone must always fit the pool, so no request grows past it (see scheduler.py).
         self.max_request_tokens = min(self.context_length, self.kv_capacity_tokens)
         self.sequences: dict[str, Sequence] = {}
@@ -117,35 +119,35 @@ class LLMEngine:
         )
 
     def capacity(self) -> EngineCapacity:
-        runner = self.runner
+        booted = self.booted
         return EngineCapacity(
             kv_capacity_tokens=self.kv_capacity_tokens,
-            kv_pages=runner.pool.num_pages,
-            kv_bytes_per_token=runner.layout.bytes_per_token,
-            per_sequence_state_bytes=runner.layout.per_sequence_state_bytes,
-            memory=runner.memory,
+            kv_pages=booted.pool.num_pages,
+            kv_bytes_per_token=booted.layout.bytes_per_token,
+            per_sequence_state_bytes=booted.layout.per_sequence_state_bytes,
+            memory=booted.memory,
             max_concurrency_at_full_context=round(
-                runner.pool.num_pages / runner.layout.pages_for(self.context_length), 2
+                booted.pool.num_pages / booted.layout.pages_for(self.context_length), 2
             ),
         )
 
     @property
     def expert_counts(self) -> ExpertCounts:
         """The routed experts each MoE layer read, counted on the device (read when scraped)."""
-        return self.runner.expert_counts
+        return self.booted.expert_counts
 
     @property
     def applied_config(self) -> EngineConfig:
         """The configuration with every default resolved to what the engine runs with."""
-        runner = self.runner
+        booted = self.booted
         return dataclasses.replace(
             self.config,
             served_model_name=self.config.served_model_name or Path(self.config.model).name,
-            dtype=DTYPE_NAMES[runner.dtype],
-            device=runner.device.type,
+            dtype=DTYPE_NAMES[booted.dtype],
+            device=booted.device.type,
             context_length=self.context_length,
-            kv_cache_dtype=runner.kv_cache_dtype,
-            num_kv_pages=runner.pool.num_pages,
+            kv_cache_dtype=booted.kv_cache_dtype,
+            num_kv_pages=booted.pool.num_pages,
         )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:

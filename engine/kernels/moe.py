@@ -28,7 +28,7 @@ the serving metrics: no launch and no host sync of its own.
 
 Token and pair counts are runtime arguments Triton does not specialise on (it would compile a variant for 1, for
 multiples of 16 and for the rest), and tiles follow the power of two above the token (or pair) count, so the compiled
-variants are few and the serving runner makes them all at boot (engine/model_runner.py).
+variants are few and boot makes them all (engine/boot.py).
 
 Every shape depends on N, k and E only and nothing goes to the host, so a CUDA graph captured for a batch size replays
 with any routing; programs whose slot holds no expert exit at once. A program streams its expert's weight tile once

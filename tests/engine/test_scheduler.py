@@ -161,7 +161,7 @@ def test_no_request_grows_past_the_pool(tiny_dir):
 
 def test_the_cpu_pool_defaults_to_max_num_seqs_requests_at_full_context(tiny_dir):
     engine = make_engine(tiny_dir, max_num_seqs=3, context_length=300)
-    assert engine.runner.pool.num_pages == 2 * 3 and engine.kv_capacity_tokens == 6 * 256
+    assert engine.booted.pool.num_pages == 2 * 3 and engine.kv_capacity_tokens == 6 * 256
     assert engine.applied_config.num_kv_pages == 6 and engine.applied_config.kv_cache_dtype == "float32"
 
 

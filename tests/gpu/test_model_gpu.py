@@ -94,7 +94,7 @@ def test_the_engine_captures_graphs_and_generates_what_eager_steps_generate(tiny
         num_kv_pages=24,
     )
     graphed = LLM(tiny_dir, **config)
-    assert graphed.engine.runner.graphs.sizes == [1, 2, 4] and graphed.engine.runner.memory.graph_bytes > 0
+    assert graphed.engine.runner.graphs.sizes == [1, 2, 4] and graphed.engine.booted.memory.graph_bytes > 0
     with_graphs = [out.token_ids for out in graphed.generate(prompts, params)]
     del graphed
     eager = LLM(tiny_dir, enforce_eager=True, **config)

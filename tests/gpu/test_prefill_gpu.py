@@ -17,7 +17,7 @@ from engine.cache.pool import PagePool, PageTable
 from engine.model import attention
 from engine.model.attention import Attention
 from engine.model.state import ForwardBatch, SequenceState
-from engine.model_runner import kernel_variant, warm_up_chunks
+from engine.boot import kernel_variant, warm_up_chunks
 from tests.gpu.flash_layers import ARGS, flash_attention
 
 pytestmark = pytest.mark.gpu

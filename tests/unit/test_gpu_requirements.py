@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model_runner import check_fp8_support
+from engine.boot import check_fp8_support
 
 
 @pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.model_runner import WARM_EVERY_SIZE_UP_TO, warm_up_chunks
+from engine.boot import WARM_EVERY_SIZE_UP_TO, warm_up_chunks
 
 
 def test_every_size_up_to_64_then_powers_of_two_and_one_less_up_to_the_budget():
