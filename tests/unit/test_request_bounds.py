@@ -162,3 +162,10 @@ def test_tool_schemas_the_grammar_cannot_read_are_refused(tokenizer, parameters,
         "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
     }
     assert refusal(parse_chat, json.loads(json.dumps(body)), tokenizer, LIMITS, None).param == param
+
+
+def test_the_route_names_the_engines_depth_limit():
+    """The console cannot import the engine: its route keeps its own copy of the limit it names."""
+    from app.route.proxy import MAX_JSON_DEPTH as ROUTE_DEPTH
+
+    assert ROUTE_DEPTH == MAX_JSON_DEPTH
