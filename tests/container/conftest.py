@@ -53,8 +53,12 @@ def image(docker_daemon, request) -> str:
     _run("make", "image-cpu", f"IMAGE={IMAGE}", timeout=1500)
     seconds = time.monotonic() - started
     size = int(_run("docker", "image", "inspect", "--format", "{{.Size}}", IMAGE).strip())
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    reporter.write_line(f"\nimage {IMAGE}: built in {seconds:.0f} s (make image-cpu), {size / 1e9:.2f} GB")
+    plugins = request.config.pluginmanager
+    # Past pytest's output capture, so that CI's log shows it whether the tests pass or not.
+    with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
+        plugins.get_plugin("terminalreporter").write_line(
+            f"\nimage {IMAGE}: built in {seconds:.0f} s (make image-cpu), {size / 1e9:.2f} GB"
+        )
     return IMAGE
 
 
