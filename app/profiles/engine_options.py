@@ -10,6 +10,7 @@ import functools
 import json
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +43,18 @@ class EngineOption:
         return isinstance(value, VALUE_TYPES[self.type])
 
 
-@functools.cache  # a failure is not cached: the next check asks again
+_asking = threading.Lock()
+
+
 def engine_options() -> dict[str, EngineOption]:
-    """The engine's options by name, asked of the engine once."""
+    """The engine's options by name, asked of the engine once per process; one asks at a time (each asking starts
+    the engine's imports, seconds of CPU), and a failure is not kept: the next check asks again."""
+    with _asking:
+        return _ask_engine()
+
+
+@functools.cache
+def _ask_engine() -> dict[str, EngineOption]:
     try:
         out = subprocess.run(HELP_JSON, capture_output=True, text=True, timeout=READ_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

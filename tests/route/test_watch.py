@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 
 ALIAS = "flash-busy"
 BUSY = "busy-one-seq"
-CANARY_TIMEOUT_S = 2.0
+CANARY_TIMEOUT_S = 1.5
 STREAMS = 4
-STREAM_TOKENS = 400
+STREAM_TOKENS = 250
 
 
 @pytest.fixture(scope="module")
