@@ -26,10 +26,10 @@ from bench.kernels import copy_bandwidth, median_us  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from bench.shapes import COMPRESS_RATIOS, write_model_dir  # noqa: E402
 from engine.cache.layout import KVLayout  # noqa: E402
-from engine.cache.pool import PagePool  # noqa: E402
 from engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.state import ForwardBatch  # noqa: E402
+from engine.standalone import Standalone  # noqa: E402
 
 DEV = torch.device("cuda")
 BATCHES = (1, 16, 64)
@@ -101,9 +101,9 @@ def main() -> None:
     model = load_model(write_model_dir(Path(tempfile.mkdtemp())), torch.bfloat16, DEV, load_format="dummy")
     model.fuse_projections()  # as the serving runner does
     layout = KVLayout.for_model(model.args, 256, "fp8_e4m3")
-    pool = PagePool(max(BATCHES) * layout.pages_for(CONTEXT + 1) + 1, 256)
-    cache = model.allocate_kv_cache(pool, max(BATCHES) + 1, "fp8_e4m3")
-    graphs = DecodeGraphs(model, max(BATCHES), layout.pages_for(MAX_CONTEXT), pad_slot=cache.take_slot())
+    alone = Standalone.allocate(model, max(BATCHES) * layout.pages_for(CONTEXT + 1) + 1, max(BATCHES) + 1, "fp8_e4m3")
+    cache = alone.kv_cache
+    graphs = DecodeGraphs(model, max(BATCHES), layout.pages_for(MAX_CONTEXT), pad_slot=alone.blocks.take_slot())
     gen = torch.Generator(device=DEV).manual_seed(0)
     results: dict = {"gpu": gpu, "copy_bandwidth_tb_s": bandwidth / 1e12, "batches": {}}
     lines = [
@@ -116,12 +116,12 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for batch_size in BATCHES:
-        states = [model.new_state() for _ in range(batch_size)]
+        states = [alone.new_state() for _ in range(batch_size)]
         for state in states:
             state.num_tokens = CONTEXT  # the rows' contents do not change the step's work
         ids = torch.randint(0, model.args.vocab_size, (batch_size,), generator=gen, device=DEV)
         batch = ForwardBatch(ids, torch.full((batch_size,), CONTEXT, device=DEV), states, [1] * batch_size)
-        model.prepare(batch)
+        alone.prepare(batch)
         saved = [t.clone() for t in cache.tensors()]  # both runs of the step start from the same cache
         graph_logits = graphs.replay(batch).clone()  # also leaves the batch in the graph's static inputs
         for tensor, before in zip(cache.tensors(), saved, strict=True):
@@ -156,7 +156,7 @@ def main() -> None:
         if batch_size == 1:
             results["kernels_per_step"], batch1_breakdown = kernels, breakdown
         for state in states:
-            model.release_state(state)
+            alone.release_state(state)
     lines += [
         "",
         f"Kernels launched per step (batch 1, eager, profiler): {results['kernels_per_step']}.",

@@ -7,8 +7,9 @@ KV pool sizing. On CUDA the pool gets what `gpu_memory_utilization` leaves after
 and the peak workspace of the largest step the scheduler admits (`max_num_batched_tokens` tokens, whatever
 `max_num_seqs` is), all measured with torch.cuda's memory counters, less `max_num_seqs` requests' fixed state
 (window rings, compressor states). On CPU the pool holds `max_num_seqs` requests at full `context_length` unless
-`num_kv_pages` says otherwise. Either way the model's paged cache is allocated over the pool at once, so capacity
-and `kv_bytes` are counted from what was allocated.
+`num_kv_pages` says otherwise. Either way the paged cache is allocated at once, here, and bound to the model's
+layers, so capacity and `kv_bytes` are counted from what was allocated; which pages and slots a request holds is
+the scheduler's block manager's business.
 
 Decode steps of up to `cuda_graph_max_bs` requests replay CUDA graphs (engine/cuda_graphs.py) captured after the
 pool is allocated; their memory is reserved before sizing it (one eager decode step of the largest captured size at
@@ -34,14 +35,15 @@ import structlog
 import torch
 import triton
 
+from engine.cache.kv_cache import ModelKVCache, kv_dtype_for
 from engine.cache.layout import KVLayout
-from engine.cache.pool import PagePool
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
 from engine.model_runner import ExpertCounts
+from engine.standalone import Standalone
 
 log = structlog.get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,8 +119,8 @@ class MemoryReport:
 
 @dataclass
 class Booted:
-    """What boot made, for the step runner: the model on its device with its paged cache over `pool`, the decode
-    graphs (None when eager), and the figures /server_info reports."""
+    """What boot made, for the step runner: the model on its device with the paged cache bound to its layers, the
+    decode graphs (None when eager), and the figures /server_info reports."""
 
     config: EngineConfig
     context_length: int
@@ -128,9 +130,10 @@ class Booted:
     model: DeepseekV4
     expert_counts: ExpertCounts
     layout: KVLayout
-    pool: PagePool
+    kv: ModelKVCache
+    num_pages: int
     kv_cache_dtype: str
-    num_slots: int  # request slots of the cache: max_num_seqs, and one for the graphs' padding rows
+    num_slots: int  # request slots of the cache: max_num_seqs, and one for the graphs' padding rows (the last)
     graphs: DecodeGraphs | None
     memory: MemoryReport
 
@@ -165,16 +168,16 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
                                      graphs)  # fmt: skip
     else:
         num_pages = config.num_kv_pages or layout.pages_for(context_length) * config.max_num_seqs
-    pool = PagePool(num_pages, config.page_size)
-    # The cache over the pool's pages, with a window-ring slot for each running request (and one for the graphs'
-    # padding rows).
-    cache = model.allocate_kv_cache(pool, config.max_num_seqs + graphs, config.kv_cache_dtype)
+    # The cache's pages, and a window-ring slot for each running request (and one for the graphs' padding rows).
+    kv_dtype = kv_dtype_for(config.kv_cache_dtype, device, dtype)
+    cache = ModelKVCache(model.args, num_pages, config.page_size, config.max_num_seqs + graphs, kv_dtype, device)
+    model.bind_kv_cache(cache)
     log.info(
         "boot_stage",
         stage="kv_alloc",
         seconds=_since(started),
         kv_pages=num_pages,
-        kv_capacity_tokens=pool.capacity_tokens,
+        kv_capacity_tokens=num_pages * config.page_size,
         kv_bytes=cache.bytes,
         kv_cache_dtype=cache.kv_dtype,
         workspace_bytes=workspace_bytes,
@@ -188,11 +191,11 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
     if graphs:
         with torch.inference_mode():
             decode_graphs = DecodeGraphs(model, config.cuda_graph_max_bs, layout.pages_for(context_length),
-                                         pad_slot=cache.take_slot())  # fmt: skip
+                                         pad_slot=config.max_num_seqs)  # fmt: skip
         graph_bytes = decode_graphs.memory_bytes
     if cuda:
         warm_started = time.monotonic()
-        chunks = _warm_up(model, config, min(context_length, pool.capacity_tokens), device)
+        chunks = _warm_up(Standalone(model, cache), config, min(context_length, num_pages * config.page_size))
         torch.cuda.empty_cache()
         _log_compiles_from_now()
         graph = {"batch_sizes": decode_graphs.sizes, "bytes": graph_bytes} if graphs else {"skipped": "enforce_eager"}
@@ -212,7 +215,8 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
         model=model,
         expert_counts=expert_counts,
         layout=layout,
-        pool=pool,
+        kv=cache,
+        num_pages=num_pages,
         kv_cache_dtype=cache.kv_dtype,
         num_slots=cache.num_slots,
         graphs=decode_graphs,
@@ -255,7 +259,7 @@ def _peak_workspace_bytes(
     are captured) of a decode step of the largest captured batch at the widest page table, over a cache just big
     enough (replaced by the real one right after)."""
     n, device = config.max_num_batched_tokens, model.embed.weight.device
-    model.allocate_kv_cache(PagePool(layout.pages_for(n), config.page_size), 1, config.kv_cache_dtype)
+    alone = Standalone.allocate(model, layout.pages_for(n), 1, config.kv_cache_dtype, config.page_size)
 
     def peak_of(step) -> int:
         torch.cuda.synchronize(device)
@@ -266,11 +270,11 @@ def _peak_workspace_bytes(
         return torch.cuda.max_memory_allocated(device) - before
 
     def prefill() -> None:
-        state = model.new_state()
+        state = alone.new_state()
         ids = torch.zeros(n, dtype=torch.long, device=device)
-        streams = model(ForwardBatch(ids, torch.arange(n, device=device), [state], [n]))
+        streams = alone(ForwardBatch(ids, torch.arange(n, device=device), [state], [n]))
         model.logits(streams[-config.max_num_seqs :])
-        model.release_state(state)
+        alone.release_state(state)
 
     sizes = capture_sizes(config.cuda_graph_max_bs)
 
@@ -291,13 +295,14 @@ def _peak_workspace_bytes(
 
 
 @torch.inference_mode()
-def _warm_up(model: DeepseekV4, config: EngineConfig, room: int, device: torch.device) -> list[int]:
+def _warm_up(model: Standalone, config: EngineConfig, room: int) -> list[int]:
     """Run the kernels of every eager step shape once (see the module's docstring): one prompt in chunks of 1,
     2, ..., WARM_EVERY_SIZE_UP_TO tokens, then of 2^j - 1 and 2^j tokens, and of max_num_batched_tokens - 1 and
     max_num_batched_tokens; each chunk's last rows, up to max_num_seqs of them, go through the head as the rows
     a step samples. A chunk that would pass `room` (the context length or the pool) starts the prompt over (one
     that alone would is no step's). Returns the chunk sizes run."""
     sizes = warm_up_chunks(config.max_num_batched_tokens, room)
+    device = model.embed.weight.device
     state, position = model.new_state(), 0
     for n in sizes:
         if position + n > room:

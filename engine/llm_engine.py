@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from engine.boot import MemoryReport, boot
+from engine.cache.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
 from engine.model_runner import ExpertCounts, LaunchedStep, ModelRunner
@@ -96,7 +97,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_model_dir(config.model)
         self.booted = boot(config, self.context_length)
         self.runner = ModelRunner(self.booted)
-        self.scheduler = Scheduler(config, self.booted.pool, self.runner.release)
+        self.scheduler = Scheduler(
+            config, BlockManager(self.booted.num_pages, config.page_size, config.max_num_seqs), self.runner.release
+        )
         # One request alone must always fit the pool, so no request grows past it (see scheduler.py).
         self.max_request_tokens = min(self.context_length, self.kv_capacity_tokens)
         self.sequences: dict[str, Sequence] = {}
@@ -106,13 +109,13 @@ class LLMEngine:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.scheduler.pool.capacity_tokens
+        return self.scheduler.blocks.capacity_tokens
 
     def load(self) -> EngineLoad:
         scheduler = self.scheduler
         return EngineLoad(
-            kv_capacity_tokens=scheduler.pool.capacity_tokens,
-            kv_used_tokens=scheduler.pool.used_tokens,
+            kv_capacity_tokens=scheduler.blocks.capacity_tokens,
+            kv_used_tokens=scheduler.blocks.used_tokens,
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             preemptions=scheduler.num_preemptions,
@@ -122,13 +125,11 @@ class LLMEngine:
         booted = self.booted
         return EngineCapacity(
             kv_capacity_tokens=self.kv_capacity_tokens,
-            kv_pages=booted.pool.num_pages,
+            kv_pages=booted.num_pages,
             kv_bytes_per_token=booted.layout.bytes_per_token,
             per_sequence_state_bytes=booted.layout.per_sequence_state_bytes,
             memory=booted.memory,
-            max_concurrency_at_full_context=round(
-                booted.pool.num_pages / booted.layout.pages_for(self.context_length), 2
-            ),
+            max_concurrency_at_full_context=round(booted.num_pages / booted.layout.pages_for(self.context_length), 2),
         )
 
     @property
@@ -147,7 +148,7 @@ class LLMEngine:
             device=booted.device.type,
             context_length=self.context_length,
             kv_cache_dtype=booted.kv_cache_dtype,
-            num_kv_pages=booted.pool.num_pages,
+            num_kv_pages=booted.num_pages,
         )
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:

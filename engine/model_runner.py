@@ -66,7 +66,7 @@ class ExpertCounts:
 class ModelRunner:
     def __init__(self, booted: Booted):
         self.booted = booted
-        self.device, self.model, self.graphs = booted.device, booted.model, booted.graphs
+        self.device, self.model, self.graphs, self.kv = booted.device, booted.model, booted.graphs, booted.kv
         self.expert_counts = booted.expert_counts
         self.pin_memory = booted.pin_memory
         # Every slot's page table, on the device, zero past its pages; a step uploads only the entries added since
@@ -76,11 +76,10 @@ class ModelRunner:
         self._uploaded = [0] * booted.num_slots
 
     def release(self, state: SequenceState) -> None:
-        """A finished or preempted request gives its cache slot (and pages) back; its page table row goes back to
-        zeros (after the steps already queued have read it)."""
+        """A finished or preempted request's slot (the scheduler took it and its pages back): its page table row goes
+        back to zeros (after the steps already queued have read it)."""
         self.page_tables[state.slot, : self._uploaded[state.slot]].zero_()
         self._uploaded[state.slot] = 0
-        self.model.release_state(state)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """One host-to-device copy that does not wait for the device (from pinned memory, which the caching host
@@ -104,8 +103,9 @@ class ModelRunner:
         width = self.page_tables.shape[1]
         for item in work:
             seq, n = item.seq, item.num_tokens
-            if seq.state is None:
-                seq.state = self.model.new_state(seq.page_table)
+            if seq.state is None:  # new to its slot: the slot's window ring and compressor state start afresh
+                seq.state = SequenceState(seq.slot)
+                self.kv.reset_slot(seq.slot)
             state, start = seq.state, seq.num_computed
             if state.num_tokens != start:
                 raise ValueError(f"request continues at position {start} but has processed {state.num_tokens} tokens")
@@ -116,7 +116,7 @@ class ModelRunner:
             else:
                 ids += seq.token_ids(start, start + n)
             positions += range(start, start + n)
-            pages, uploaded = state.table.pages, self._uploaded[state.slot]
+            pages, uploaded = seq.page_table.pages, self._uploaded[state.slot]
             if len(pages) > uploaded:
                 table_at += range(state.slot * width + uploaded, state.slot * width + len(pages))
                 table_pages += pages[uploaded:]
@@ -135,7 +135,7 @@ class ModelRunner:
         if src:
             input_ids.index_copy_(0, dst_d, previous.tokens.index_select(0, src_d))
         batch = ForwardBatch(input_ids, positions_d, states, lens)
-        used = max(len(state.table.pages) for state in states)
+        used = max(len(item.seq.page_table.pages) for item in work)
         batch.set_tables(self.page_tables[:, :used].index_select(0, slots_d), slots_d.int())
         self.expert_counts.count(batch.decoding)
         if self.graphs is not None and self.graphs.fits(batch):

@@ -2,8 +2,10 @@
 
 Three limits shape a step: `max_num_seqs` requests run at once; `max_num_batched_tokens` tokens run per step, one
 for every decoding request first, then prefill chunks in arrival order; and the page pool, where every running
-request holds the pages of the tokens it has processed. A waiting request is admitted only when the pages of its
-whole remaining prompt are free, so admission never pushes out a running request. When a running request needs a
+request holds the pages of the tokens it has processed. The scheduler owns the block manager
+(engine/cache/block_manager.py): it alone hands out and takes back pages and request slots. A waiting request is
+admitted only when the pages of its whole remaining prompt are free, so admission never pushes out a running
+request. When a running request needs a
 page and none is free, the youngest running request is preempted by recompute: its pages and model state are
 dropped and it goes back to the front of the waiting queue, keeping its output; on re-admission its prompt and
 output are prefilled again and it goes on exactly where it was. The oldest request therefore always progresses: the
@@ -21,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.cache.pool import PagePool
+from engine.cache.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model.state import SequenceState
 from engine.sequence import Sequence, Status
@@ -39,11 +41,11 @@ class ScheduledWork:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, release: Callable[[SequenceState], None]):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, release: Callable[[SequenceState], None]):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.pool = pool
-        self.release = release  # gives a request's model state (its cache slot) back
+        self.blocks = blocks
+        self.release = release  # tells the device side that a request's model state (its slot's tables) is gone
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
@@ -81,13 +83,14 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_in_flight:  # preempted with a token in flight: re-admitted once it is read
                 break
-            if seq.page_table.pages_needed(seq.num_tokens, self.pool.page_size) > self.pool.num_free:
+            if seq.page_table.pages_needed(seq.num_tokens, self.blocks.page_size) > self.blocks.num_free:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            seq.slot = self.blocks.take_slot()  # one is free: at most max_num_seqs run
             n = min(seq.num_pending, budget)
-            seq.page_table.grow(self.pool, seq.num_computed + n)
+            seq.page_table.grow(self.blocks, seq.num_computed + n)
             work.append(ScheduledWork(seq, n))
             budget -= n
         return work
@@ -103,12 +106,12 @@ class Scheduler:
     def _hold_pages(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` the pages for `num_tokens`, preempting the youngest running requests while the pool is short;
         False when `seq` itself had to go."""
-        while seq.page_table.pages_needed(num_tokens, self.pool.page_size) > self.pool.num_free:
+        while seq.page_table.pages_needed(num_tokens, self.blocks.page_size) > self.blocks.num_free:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.page_table.grow(self.pool, num_tokens)
+        seq.page_table.grow(self.blocks, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -122,4 +125,7 @@ class Scheduler:
         if seq.state is not None:
             self.release(seq.state)
             seq.state = None
-        seq.page_table.release(self.pool)
+        seq.page_table.release(self.blocks)
+        if seq.slot is not None:
+            self.blocks.free_slot(seq.slot)
+            seq.slot = None

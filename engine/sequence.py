@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache.pool import PageTable
+from engine.cache.block_manager import PageTable
 from engine.model.state import SequenceState
 from engine.sampling_params import SamplingParams
 from engine.stop_strings import StopStrings
@@ -56,7 +56,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_computed: int = 0  # tokens the model has processed
     state: SequenceState | None = None
-    # The pages of the tokens processed so far, shared with `state`: what the model's paged cache indexes.
+    # What the scheduler's block manager gave it while it runs: a request slot, and the pages of its tokens.
+    slot: int | None = None
     page_table: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None
     num_in_flight: int = 0  # sampled tokens still on the device, not yet in `output_ids`

@@ -103,28 +103,27 @@ def _compressor_buffers(num_slots: int, ratio: int, width: int, device) -> tuple
     return kv, torch.full_like(kv, float("-inf"))
 
 
+def kv_dtype_for(kv_cache_dtype: str, device: torch.device, model_dtype: torch.dtype) -> str:
+    """The rows a cache stores: "auto" is FP8 on CUDA, the model's own dtype elsewhere (exact on the CPU)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "fp8_e4m3" if device.type == "cuda" else str(model_dtype).removeprefix("torch.")
+
+
 class ModelKVCache:
-    """Every layer's KV storage for up to `num_slots` running requests over a shared pool of pages. Requests hold
-    pages through their PageTable (engine/cache/pool.py) and a window-ring slot from here."""
+    """Every layer's KV storage: `num_pages` pages of `page_size` tokens and `num_slots` request slots. Which pages
+    and which slot a request holds is the block manager's business (engine/cache/block_manager.py); a request new
+    to a slot has it reset here first."""
 
-    def __init__(self, args, pool, num_slots: int, kv_dtype: str, device):
-        self.pool, self.num_slots, self.kv_dtype = pool, num_slots, kv_dtype
+    def __init__(self, args, num_pages: int, page_size: int, num_slots: int, kv_dtype: str, device):
+        self.num_pages, self.page_size, self.num_slots, self.kv_dtype = num_pages, page_size, num_slots, kv_dtype
         self.layers = [
-            LayerKV(ratio, pool.num_pages, num_slots, args, pool.page_size, kv_dtype, device)
-            for ratio in args.compress_ratios
+            LayerKV(ratio, num_pages, num_slots, args, page_size, kv_dtype, device) for ratio in args.compress_ratios
         ]
-        self._free_slots = list(range(num_slots - 1, -1, -1))
 
-    def take_slot(self) -> int:
-        if not self._free_slots:
-            raise RuntimeError(f"all {self.num_slots} request slots are in use")
-        slot = self._free_slots.pop()
+    def reset_slot(self, slot: int) -> None:
         for layer in self.layers:
             layer.reset_slot(slot)
-        return slot
-
-    def free_slot(self, slot: int) -> None:
-        self._free_slots.append(slot)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds: rows, index keys and compressor states."""

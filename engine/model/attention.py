@@ -127,7 +127,7 @@ class Attention(nn.Module):
             else None
         )
         self.indexer = Indexer(args, self.rotary, quant_sim) if self.ratio == 4 else None
-        self.kv: LayerKV | None = None  # this layer's share of the paged cache, given by allocate_kv_cache
+        self.kv: LayerKV | None = None  # this layer's share of the paged cache, bound at boot
         # Projections that read the same input, each group one GEMM over one weight that the members' parameters
         # are views of (`fuse_projections`): of x, wq_a, wkv and the indexer's weights_proj; of the normed q LoRA,
         # wq_b and the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
@@ -180,7 +180,7 @@ class Attention(nn.Module):
             for i, seq in enumerate(batch.states):
                 r = batch.rows(i)
                 chunk = {k: (a[r], b[r]) for k, (a, b) in proj.items()}
-                parts.append(self._prefill(q[r], kv[r], chunk, pos[r], seq, batch.page_table[i]))
+                parts.append(self._prefill(q[r], kv[r], chunk, pos[r], seq, batch, i))
             out = torch.cat(parts)
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
@@ -188,12 +188,12 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         return self.wo_b(torch.einsum("ngd,grd->ngr", o, wo_a).flatten(1))
 
-    def _prefill(self, q, kv, proj, positions, seq, page_table) -> torch.Tensor:
+    def _prefill(self, q, kv, proj, positions, seq, batch: ForwardBatch, i: int) -> torch.Tensor:
         """Any number of one request's tokens: their rows go into the cache, then each query attends to its own keys
         only: its window rows, then its top-k compressed rows (c4) or the compressed rows it sees (c128), through the
         decode kernels on CUDA (`_prefill_kernels`), in torch elsewhere and for float64 (`_prefill_reference`).
-        page_table [>= pages] int32: the request's row of the batch's device-side page table."""
-        cache, table, slot, p0 = self.kv, seq.table, seq.slot, int(positions[0])
+        The request is row i of the batch (its slot, its row of the device-side page table)."""
+        cache, slot, p0 = self.kv, seq.slot, int(positions[0])
         window, dim = self.window, kv.shape[-1]
         # The window rows before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
         # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 of this span.
@@ -207,15 +207,15 @@ class Attention(nn.Module):
             n_old = p0 // self.ratio
             new_rows = self.compressor.compress(*proj["comp"], positions, cache.comp_state_of(slot), n_old, kv.dtype)
             n = n_old + len(new_rows)
-            comp_slots = table.slots(0, n, cache.comp.rows_per_page, q.device)
+            comp_slots = batch.row_slots(i, 0, n, cache.comp.rows_per_page)
             cache.comp.write(comp_slots[n_old:], new_rows)
             if self.indexer is not None:
                 new_keys = self.indexer.compressor.compress(*proj["index"], positions, cache.index_state_of(slot),
                                                             n_old, kv.dtype)  # fmt: skip
-                index_slots = table.slots(0, n, 64, q.device)
+                index_slots = batch.row_slots(i, 0, n, cache.index.rows_per_page)
                 cache.index.write(index_slots[n_old:], new_keys)
         if use_triton(q.device) and q.dtype != torch.float64:
-            return self._prefill_kernels(q, proj, positions, p0, span, comp_slots, page_table)
+            return self._prefill_kernels(q, proj, positions, p0, span, comp_slots, batch.page_table[i])
         return self._prefill_reference(q, proj, positions, span, comp_slots, index_slots)
 
     def _prefill_reference(self, q, proj, positions, span, comp_slots, index_slots) -> torch.Tensor:

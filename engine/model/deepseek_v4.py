@@ -9,13 +9,12 @@ import torch
 from torch import nn
 
 from engine.cache.kv_cache import ModelKVCache
-from engine.cache.pool import PagePool, PageTable
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.layers import RMSNorm
 from engine.model.mhc import HcMix, HyperConnection, HyperHead
 from engine.model.moe import MoE
-from engine.model.state import ForwardBatch, SequenceState
+from engine.model.state import ForwardBatch
 
 # Parameters the reference keeps in fp32 whatever the model dtype: mixing weights, sinks, position biases,
 # routing biases, norm weights, and the compressors' projections (pooled in fp32).
@@ -75,7 +74,6 @@ class DeepseekV4(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         n = args.num_hidden_layers
         self.mtp = nn.ModuleList(MTPLayer(args, n + j, quant_sim) for j in range(args.num_nextn_predict_layers))
-        self.kv_cache: ModelKVCache | None = None
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4:
         """Cast to `dtype`, leaving the parameters the reference keeps in fp32."""
@@ -98,52 +96,17 @@ class DeepseekV4(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def allocate_kv_cache(self, pool: PagePool, num_slots: int, kv_dtype: str = "auto") -> ModelKVCache:
-        """Give every layer its share of a cache over `pool`'s pages for up to `num_slots` running requests.
-        kv_dtype "auto": FP8 rows on CUDA, the model's own dtype elsewhere (exact on the CPU)."""
-        device = self.embed.weight.device
-        if kv_dtype == "auto":
-            kv_dtype = "fp8_e4m3" if device.type == "cuda" else str(self.dtype).removeprefix("torch.")
-        self.kv_cache = ModelKVCache(self.args, pool, num_slots, kv_dtype, device)
-        blocks = [*self.layers, *self.mtp]
-        for block, layer_kv in zip(blocks, self.kv_cache.layers, strict=True):
+    def bind_kv_cache(self, cache: ModelKVCache) -> None:
+        """Give every layer its share of the paged cache that boot allocated (the model allocates none itself)."""
+        for block, layer_kv in zip([*self.layers, *self.mtp], cache.layers, strict=True):
             block.attn.kv = layer_kv
-        return self.kv_cache
-
-    def new_state(self, table: PageTable | None = None) -> SequenceState:
-        """A new request: a window-ring slot of the cache, and `table` (a fresh one when None) for its pages."""
-        if self.kv_cache is None:
-            raise RuntimeError("allocate_kv_cache() first: requests keep their KV rows in the paged cache")
-        return SequenceState(slot=self.kv_cache.take_slot(), table=table if table is not None else PageTable())
-
-    def release_state(self, state: SequenceState) -> None:
-        """The request is done (or preempted): its slot and pages go back at once."""
-        self.kv_cache.free_slot(state.slot)
-        state.table.release(self.kv_cache.pool)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch's tokens through every layer; returns the residual streams [N, hc, D] and advances each
-        request's state."""
-        self.prepare(batch)
+        request's state. The batch holds its device-side tables (ForwardBatch.set_tables)."""
         streams = self.run_layers(batch)
         self.advance(batch)
         return streams
-
-    def prepare(self, batch: ForwardBatch) -> None:
-        """The host's part of a step: grow each request's pages to cover its new tokens and hand the layers the
-        device-side page table and slots."""
-        device = batch.input_ids.device
-        for seq, start, n in zip(batch.states, batch.starts, batch.lens, strict=True):
-            first = int(batch.positions[start])
-            if first != seq.num_tokens:
-                raise ValueError(f"request continues at position {first} but has processed {seq.num_tokens} tokens")
-            seq.table.grow(self.kv_cache.pool, first + n)  # raises OutOfPages: the scheduler preempts first
-        width = max(len(seq.table.pages) for seq in batch.states)
-        table = torch.zeros(len(batch.states), width, dtype=torch.int32)
-        for i, seq in enumerate(batch.states):
-            table[i, : len(seq.table.pages)] = torch.tensor(seq.table.pages, dtype=torch.int32)
-        batch.set_tables(table.to(device), torch.tensor([seq.slot for seq in batch.states], dtype=torch.int32,
-                                                        device=device))  # fmt: skip
 
     def run_layers(self, batch: ForwardBatch) -> torch.Tensor:
         """The device's part: embed, every block, the residual streams [N, hc, D]. A decode batch runs without a

@@ -1,7 +1,8 @@
 """What the model keeps about one request between steps, and the flattened batch it runs on.
 
 The KV rows themselves live in the paged cache (engine/cache/kv_cache.py); a request holds a window-ring slot there
-and a page table whose pages hold its compressed rows and index keys.
+and pages that hold its compressed rows and index keys, both handed out by the scheduler's block manager. The model
+sees them only as a step's device-side tables: each request's row of page ids and its slot.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from typing import Any
 
 import torch
 
-from engine.cache.pool import PageTable
-
 
 @dataclass
 class SequenceState:
-    """`num_tokens` positions of this request have been processed."""
+    """`num_tokens` positions of this request have been processed; its window ring and compressor state are in
+    `slot`."""
 
     slot: int
-    table: PageTable
     num_tokens: int = 0
 
 
@@ -67,3 +66,9 @@ class ForwardBatch:
 
     def rows(self, i: int) -> slice:
         return slice(self.starts[i], self.starts[i] + self.lens[i])
+
+    def row_slots(self, i: int, start: int, end: int, rows_per_page: int) -> torch.Tensor:
+        """Physical slots of request i's rows [start, end) of a kind that keeps `rows_per_page` rows a page (64 c4
+        rows, 2 c128 rows): row r lives in page page_table[i, r // rows_per_page]."""
+        rows = torch.arange(start, end, device=self.page_table.device)
+        return self.page_table[i, rows // rows_per_page].long() * rows_per_page + rows % rows_per_page

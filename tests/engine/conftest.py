@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.pool import PagePool
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
+from engine.standalone import Standalone
 from engine.tools.make_tiny import make_tiny
 
 
@@ -22,11 +22,9 @@ def prompt_ids():
     return torch.randint(2, 1024, (330,), generator=torch.Generator().manual_seed(7))
 
 
-def load_with_cache(model_dir, pages: int = 64, slots: int = 8, **kwargs):
-    """The model with a paged KV cache of its own (the serving runtime sizes it from memory instead)."""
-    model = load_model(model_dir, **kwargs)
-    model.allocate_kv_cache(PagePool(pages, 256), slots)
-    return model
+def load_with_cache(model_dir, pages: int = 64, slots: int = 8, **kwargs) -> Standalone:
+    """The model on its own with a paged KV cache of its own (the serving runtime sizes it from memory instead)."""
+    return Standalone.allocate(load_model(model_dir, **kwargs), pages, slots)
 
 
 def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ def stream_all(engine: LLMEngine, on_step=None) -> dict[str, list[RequestOutput]
         steps += 1
         if on_step is not None:
             on_step(engine, streams, steps)
-    pool = engine.scheduler.pool
+    pool = engine.scheduler.blocks
     assert pool.num_free == pool.num_pages, "every page comes back"
     return streams
 
@@ -145,7 +145,7 @@ def test_preemption_by_recompute_is_identical(tiny_dir):
     def check(engine, streams, steps):
         preemptions.append(engine.scheduler.num_preemptions)
         held = sum(len(seq.page_table.pages) for seq in engine.scheduler.running)
-        assert engine.scheduler.pool.num_pages - engine.scheduler.pool.num_free == held
+        assert engine.scheduler.blocks.num_pages - engine.scheduler.blocks.num_free == held
 
     sync, overlap, _ = run_both(tiny_dir, requests, on_step=check, max_num_seqs=4, num_kv_pages=3)
     assert overlap == sync and preemptions[-1] > 0
@@ -169,7 +169,7 @@ def test_abort_mid_generation_delivers_nothing_after_it_and_frees_its_pages(tiny
                 aborted.append(final)
                 assert final.finish_reason == "abort" and final.token_ids == got[-1].token_ids
                 assert len(final.token_ids) == 5
-                assert engine.scheduler.pool.num_free == 8 - len(engine.scheduler.running[0].page_table.pages)
+                assert engine.scheduler.blocks.num_free == 8 - len(engine.scheduler.running[0].page_table.pages)
 
         streams = stream_all(engine, abort_after_five)
         assert aborted and len(streams["aborted"]) == 5, "no token of the aborted request is delivered after it"

@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import interpreter
 
 from engine.cache.kv_cache import MainRows
-from engine.cache.pool import PagePool
 from engine.kernels.kv_rows import (
     decode_row_lists_reference,
     decode_row_lists_triton,
@@ -25,6 +24,7 @@ from engine.kernels.rope import rms_rope_triton, rope_triton
 from engine.model.layers import rope_inv_freq
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
+from engine.standalone import Standalone
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; tests/gpu covers CUDA")
 
@@ -206,8 +206,7 @@ LAUNCH_BUDGET = {0: 10, 4: 29, 128: 13}
 
 def test_decode_launches_per_layer_kind(tiny_bf16, monkeypatch):
     model = tiny_bf16
-    model.allocate_kv_cache(PagePool(8, 256), 2, "fp8_e4m3")
-    launches = decode_launches(model, monkeypatch)
+    launches = decode_launches(Standalone.allocate(model, 8, 2, "fp8_e4m3"), monkeypatch)
     for ratio, budget in LAUNCH_BUDGET.items():
         first, *others = (sum(ops.values()) for ops in launches[ratio])
         assert first <= budget + 1 and all(n == first - 1 for n in others), (ratio, launches[ratio])

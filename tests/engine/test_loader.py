@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.cache.pool import PagePool
 from engine.kernels.quant import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from engine.model.args import ModelArgs, ModelConfigError
 from engine.model.checkpoint_names import internal_to_official, routed_expert_part
 from engine.model.loader import CheckpointError, load_model
+from engine.standalone import Standalone
 from engine.tools.convert_official import FP4_EXPERTS, FP8_LINEARS, convert
 from engine.tools.make_tiny import official_state_dict
 from tests.engine.conftest import load_with_cache, prefill_logits
@@ -154,5 +154,4 @@ def test_dummy_load_format_makes_seeded_weights_from_the_config_alone(tiny_dir, 
         assert torch.equal(made, again), name
     tid2eid = first.layers[0].ffn.gate.tid2eid
     assert all(len(set(row)) == tid2eid.shape[1] for row in tid2eid.tolist())
-    first.allocate_kv_cache(PagePool(4, 256), 1)
-    assert torch.isfinite(prefill_logits(first, torch.arange(2, 40))).all()
+    assert torch.isfinite(prefill_logits(Standalone.allocate(first, 4, 1), torch.arange(2, 40))).all()

@@ -34,11 +34,12 @@ def test_quant_sim_is_the_official_behaviour_and_differs_from_transformers(fp32_
     assert torch.isfinite(ours).all() and (ours - hf_logits).abs().max().item() > 1e-3
     model = fp32_model_quant_sim
     state = model.new_state()
+    batch = ForwardBatch(prompt_ids, torch.arange(330), [state], [330])
     with torch.no_grad():
-        model(ForwardBatch(prompt_ids, torch.arange(330), [state], [330]))
+        model(batch)
     c4 = model.kv_cache.layers[2]  # what the cache holds for a c4 layer
     window = c4.ring.read(state.slot * 16 + torch.arange(16))
-    index_rows = c4.index.read(state.table.slots(0, 330 // 4, 64))
+    index_rows = c4.index.read(batch.row_slots(0, 0, 330 // 4, 64))
     model.release_state(state)
     # KV rows: nope channels on the e4m3 grid of their 64-wide block's power-of-two scale.
     nope = window[:, :64]

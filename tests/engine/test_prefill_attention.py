@@ -13,14 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from engine.cache.kv_cache import LayerKV, MainRows
-from engine.cache.pool import PageTable
 from engine.kernels import indexer, sparse_attention, topk
 from engine.kernels.quant import simulate_kv_row_fp8
 from engine.kernels.sparse_attention import sparse_decode_attention_reference, sparse_decode_attention_triton
 from engine.model import attention
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
-from engine.model.state import SequenceState
+from engine.model.state import ForwardBatch, SequenceState
 from engine.tools.make_tiny import TINY_CONFIG
 
 TINY = ModelArgs.from_config(TINY_CONFIG)  # window 16; 8 heads x 128; indexer 16 heads x 128, top 8
@@ -30,7 +29,9 @@ PAGE = 256
 CUTS = [0, 1, 38, 39, 170, 261, 262, 301]
 
 
-def _layer(args: ModelArgs, ratio: int, pages: int, kv_dtype: str = "float32") -> tuple[Attention, SequenceState]:
+def _layer(
+    args: ModelArgs, ratio: int, pages: int, kv_dtype: str = "float32"
+) -> tuple[Attention, SequenceState, ForwardBatch]:
     gen = torch.Generator().manual_seed(ratio)
     attn = Attention(args, args.compress_ratios.index(ratio), quant_sim=kv_dtype == "fp8_e4m3")
     with torch.no_grad():  # what the path reads of the layer's parameters: sink, compressors' position biases
@@ -39,12 +40,15 @@ def _layer(args: ModelArgs, ratio: int, pages: int, kv_dtype: str = "float32") -
                 param.copy_(torch.randn(param.shape, generator=gen))
     attn.kv = LayerKV(ratio, pages, 1, args, PAGE, kv_dtype, "cpu")
     attn.kv.reset_slot(0)
-    return attn, SequenceState(slot=0, table=PageTable(list(range(pages - 1, -1, -1))))
+    seq = SequenceState(slot=0)
+    return attn, seq, _tables(seq, list(range(pages - 1, -1, -1)))
 
 
-def _page_table(seq: SequenceState) -> torch.Tensor:
-    """The request's row of the batch's device-side page table, as ForwardBatch.set_tables holds it."""
-    return torch.tensor(seq.table.pages, dtype=torch.int32)
+def _tables(seq: SequenceState, pages: list[int]) -> ForwardBatch:
+    """A batch with the request's device-side tables (its slot, its row of page ids), as a step hands them over."""
+    batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), [seq], [1])
+    batch.set_tables(torch.tensor([pages], dtype=torch.int32), torch.tensor([seq.slot], dtype=torch.int32))
+    return batch
 
 
 def _inputs(args: ModelArgs, ratio: int, length: int, seed: int = 0):
@@ -85,7 +89,7 @@ def _dense(attn: Attention, q, kv, proj, positions, window_before, comp_rows, in
 
 
 def _run_chunks(ratio: int, cuts: list[int], check_dense: bool) -> list[torch.Tensor]:
-    attn, seq = _layer(TINY, ratio, pages=2)
+    attn, seq, tables = _layer(TINY, ratio, pages=2)
     q, kv, proj = _inputs(TINY, ratio, cuts[-1])
     cache, window, outs = attn.kv, attn.window, []
     with torch.no_grad():
@@ -93,12 +97,12 @@ def _run_chunks(ratio: int, cuts: list[int], check_dense: bool) -> list[torch.Te
             positions = torch.arange(a, b)
             chunk = {k: (x[a:b], y[a:b]) for k, (x, y) in proj.items()}
             window_before = cache.ring.read(torch.arange(max(0, a - window + 1), a) % window)
-            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, positions, seq, _page_table(seq)))
+            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, positions, seq, tables, 0))
             if not check_dense:
                 continue
             n = b // ratio if ratio else 0
-            comp_rows = cache.comp.read(seq.table.slots(0, n, cache.comp.rows_per_page)) if ratio else None
-            index_keys = cache.index.read(seq.table.slots(0, n, 64)) if ratio == 4 else None
+            comp_rows = cache.comp.read(tables.row_slots(0, 0, n, cache.comp.rows_per_page)) if ratio else None
+            index_keys = cache.index.read(tables.row_slots(0, 0, n, 64)) if ratio == 4 else None
             want = _dense(attn, q[a:b], kv[a:b], chunk, positions, window_before, comp_rows, index_keys)
             torch.testing.assert_close(outs[-1], want, rtol=1e-5, atol=1e-5, msg=f"chunk {a}..{b}")
     return outs
@@ -119,7 +123,7 @@ def test_a_tiny_budget_gives_the_same_results(ratio, monkeypatch):
 
 
 def test_selection_keeps_the_lower_row_among_equal_scores(monkeypatch):
-    attn, _ = _layer(TINY, 4, pages=1)
+    attn, _, _ = _layer(TINY, 4, pages=1)
     gen = torch.Generator().manual_seed(1)
     heads, dim = TINY.index_n_heads, TINY.index_head_dim
     keys = torch.randn(40, dim, generator=gen)
@@ -160,7 +164,7 @@ def test_a_long_chunk_at_a_long_context_stays_within_the_budget(ratio, monkeypat
                                index_head_dim=32, index_topk=64, sliding_window=32)  # fmt: skip
     budget, p0, length = 2**20, 22528, 2048
     monkeypatch.setattr(attention, "PREFILL_BUDGET", budget)
-    attn, seq = _layer(args, ratio, pages=(p0 + length) // PAGE)
+    attn, seq, tables = _layer(args, ratio, pages=(p0 + length) // PAGE)
     gen = torch.Generator().manual_seed(3)
     for rows in (attn.kv.ring, attn.kv.comp, attn.kv.index)[: 3 if ratio == 4 else 2]:  # the context before
         rows.storage.copy_(torch.randn(rows.storage.shape, generator=gen))
@@ -168,7 +172,7 @@ def test_a_long_chunk_at_a_long_context_stays_within_the_budget(ratio, monkeypat
     chunk_sized = q.numel()  # the output, as large as the queries; the largest tensor the chunk has anyway
     assert chunk_sized <= budget < length * args.index_n_heads * (p0 // 4)
     with torch.no_grad(), _LargestTensor() as mode:
-        out = attn._prefill(q, kv, proj, torch.arange(p0, p0 + length), seq, _page_table(seq))
+        out = attn._prefill(q, kv, proj, torch.arange(p0, p0 + length), seq, tables, 0)
     assert out.isfinite().all()
     assert mode.largest <= budget
 
@@ -186,7 +190,7 @@ def _prefill_chunks(ratio: int, kv_dtype: str, dtype: torch.dtype, monkeypatch=N
     """The outputs of the request's chunks, from inputs in `dtype` as a model of that dtype makes them (FP8 rows
     come with quant_sim, whose kv the forward pass rounds as the FP8 ring stores it); with `monkeypatch`, the
     KERNEL_CHUNKS through the kernels."""
-    attn, seq = _layer(TINY, ratio, 2, kv_dtype)
+    attn, seq, tables = _layer(TINY, ratio, 2, kv_dtype)
     q, kv, proj = _inputs(TINY, ratio, KERNEL_CUTS[-1])
     q, kv = q.to(dtype), kv.to(dtype)
     if attn.quant_sim:
@@ -199,7 +203,7 @@ def _prefill_chunks(ratio: int, kv_dtype: str, dtype: torch.dtype, monkeypatch=N
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if monkeypatch is not None and i in KERNEL_CHUNKS:
                 _through_the_kernels(stack.enter_context(monkeypatch.context()))
-            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, torch.arange(a, b), seq, _page_table(seq)))
+            outs.append(attn._prefill(q[a:b], kv[a:b], chunk, torch.arange(a, b), seq, tables, 0))
     return outs
 
 

@@ -49,7 +49,7 @@ def expected(llm, prompts):
 
 
 def _all_pages_free(llm: LLM) -> bool:
-    pool = llm.engine.scheduler.pool
+    pool = llm.engine.scheduler.blocks
     return pool.num_free == pool.num_pages
 
 

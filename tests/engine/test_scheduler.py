@@ -50,10 +50,10 @@ def pages_follow_tokens(engine: LLMEngine) -> None:
     scheduler = engine.scheduler
     held = 0
     for seq in scheduler.running:
-        assert len(seq.page_table.pages) == -(-seq.num_computed // scheduler.pool.page_size)
+        assert len(seq.page_table.pages) == -(-seq.num_computed // scheduler.blocks.page_size)
         held += len(seq.page_table.pages)
     assert all(not seq.page_table.pages for seq in scheduler.waiting)
-    assert scheduler.pool.num_pages - scheduler.pool.num_free == held
+    assert scheduler.blocks.num_pages - scheduler.blocks.num_free == held
 
 
 def test_decode_goes_first_and_prefill_is_chunked_within_the_step_budget(tiny_dir):
@@ -88,7 +88,7 @@ def test_pages_grow_with_each_request_and_all_come_back(tiny_dir):
     for prompt in prompts(120, 250, 129, 7):
         engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     run_all(engine, pages_follow_tokens)
-    pool = engine.scheduler.pool
+    pool = engine.scheduler.blocks
     assert pool.num_free == pool.num_pages == 20 and pool.used_tokens == 0
 
 
@@ -144,9 +144,9 @@ def test_abort_frees_pages_at_once(tiny_dir):
     engine.add_request(prompts(300)[0], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True), "a")
     engine.step()
     engine.step()
-    assert engine.scheduler.pool.num_free == 6
+    assert engine.scheduler.blocks.num_free == 6
     final = engine.abort("a")
-    assert final.finish_reason == "abort" and engine.scheduler.pool.num_free == 8
+    assert final.finish_reason == "abort" and engine.scheduler.blocks.num_free == 8
     assert not engine.has_unfinished() and engine.abort("a") is None
 
 
@@ -161,7 +161,7 @@ def test_no_request_grows_past_the_pool(tiny_dir):
 
 def test_the_cpu_pool_defaults_to_max_num_seqs_requests_at_full_context(tiny_dir):
     engine = make_engine(tiny_dir, max_num_seqs=3, context_length=300)
-    assert engine.booted.pool.num_pages == 2 * 3 and engine.kv_capacity_tokens == 6 * 256
+    assert engine.booted.num_pages == 2 * 3 and engine.kv_capacity_tokens == 6 * 256
     assert engine.applied_config.num_kv_pages == 6 and engine.applied_config.kv_cache_dtype == "float32"
 
 

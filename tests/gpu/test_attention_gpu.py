@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.cache.block_manager import BlockManager, PageTable
 from engine.cache.kv_cache import LayerKV, MainRows
-from engine.cache.pool import PagePool, PageTable
 from engine.kernels.kv_rows import (
     decode_row_lists_reference,
     decode_row_lists_triton,
@@ -105,20 +105,21 @@ def test_fused_projections_against_separate_gemms(ratio):
 
 
 def _decode_setup(attn: Attention, batch: int, context: int):
-    pool = PagePool(batch * (context // 256 + 2) + 1, 256)
+    pool = BlockManager(batch * (context // 256 + 2) + 1, 256, batch)
     attn.kv = LayerKV(attn.ratio, pool.num_pages, batch + 1, ARGS, 256, "fp8_e4m3", DEV)
     for tensor in (attn.kv.ring.storage, *(t.storage for t in (attn.kv.comp, attn.kv.index) if t is not None)):
         tensor.random_(0, 120)  # e4m3 codes below 120 and small exponents: finite rows
-    states = []
+    states, tables = [], []
     for slot in range(batch):
         table = PageTable()
         table.grow(pool, context + 257)  # room for later positions of the same test
         attn.kv.reset_slot(slot)
-        states.append(SequenceState(slot=slot, table=table, num_tokens=context))
+        states.append(SequenceState(slot=slot, num_tokens=context))
+        tables.append(table)
     positions = torch.full((batch,), context, device=DEV)
     batch_ = ForwardBatch(torch.zeros(batch, dtype=torch.long, device=DEV), positions, states, [1] * batch)
-    width = max(len(s.table.pages) for s in states)
-    page_table = torch.tensor([s.table.pages[:width] for s in states], dtype=torch.int32, device=DEV)
+    width = max(len(t.pages) for t in tables)
+    page_table = torch.tensor([t.pages[:width] for t in tables], dtype=torch.int32, device=DEV)
     batch_.set_tables(page_table, torch.arange(batch, dtype=torch.int32, device=DEV))
     return batch_
 

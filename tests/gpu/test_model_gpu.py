@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.pool import PagePool
 from engine.cuda_graphs import DecodeGraphs
 from engine.llm import LLM
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
 from engine.sampling_params import SamplingParams
+from engine.standalone import Standalone
 from engine.tools.make_tiny import make_tiny
 
 pytestmark = pytest.mark.gpu
@@ -27,8 +27,7 @@ CASES = [(torch.float32, "float32", False, 1e-3), (torch.bfloat16, "fp8_e4m3", T
 
 @pytest.mark.parametrize(("dtype", "kv_dtype", "quant_sim", "tolerance"), CASES)
 def test_kernel_decode_matches_prefill(tiny_dir, dtype, kv_dtype, quant_sim, tolerance):
-    model = load_model(tiny_dir, dtype=dtype, device="cuda", quant_sim=quant_sim)
-    model.allocate_kv_cache(PagePool(32, 256), 4, kv_dtype)
+    model = Standalone.allocate(load_model(tiny_dir, dtype=dtype, device="cuda", quant_sim=quant_sim), 32, 4, kv_dtype)
     ids = torch.randint(2, 1024, (300,), generator=torch.Generator().manual_seed(7)).cuda()
     with torch.no_grad():
         state = model.new_state()
@@ -56,9 +55,11 @@ def test_decode_graphs_replay_what_eager_steps_give(tiny_dir):
     window closes: every replay's logits equal an eager step's from the same cache contents (a step that closes a
     window moves compressor state, so the cache is restored between the two). fp32 without quant_sim: only cuBLAS's
     choice of kernel for the padded batch may differ."""
-    model = load_model(tiny_dir, dtype=torch.float32, device="cuda", quant_sim=False)
-    cache = model.allocate_kv_cache(PagePool(32, 256), 4, "float32")
-    graphs = DecodeGraphs(model, max_bs=4, max_pages=16, pad_slot=cache.take_slot())
+    model = Standalone.allocate(
+        load_model(tiny_dir, dtype=torch.float32, device="cuda", quant_sim=False), 32, 4, "float32"
+    )
+    cache = model.kv_cache
+    graphs = DecodeGraphs(model.model, max_bs=4, max_pages=16, pad_slot=model.blocks.take_slot())
     assert graphs.sizes == [1, 2, 4]
     gen = torch.Generator().manual_seed(11)
     lengths = [250, 301, 1]

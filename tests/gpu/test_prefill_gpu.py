@@ -7,43 +7,51 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 import triton
 
+from engine.boot import kernel_variant, warm_up_chunks
+from engine.cache.block_manager import BlockManager, PageTable
 from engine.cache.kv_cache import LayerKV
-from engine.cache.pool import PagePool, PageTable
 from engine.model import attention
 from engine.model.attention import Attention
 from engine.model.state import ForwardBatch, SequenceState
-from engine.boot import kernel_variant, warm_up_chunks
 from tests.gpu.flash_layers import ARGS, flash_attention
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
-def _layer(ratio: int, tokens: int, requests: int) -> tuple[Attention, PagePool]:
+@dataclass
+class _Request(SequenceState):
+    """A request as these tests drive it: its model state and the pages it holds (the scheduler's, when serving)."""
+
+    table: PageTable = field(default_factory=PageTable)
+
+
+def _layer(ratio: int, tokens: int, requests: int) -> tuple[Attention, BlockManager]:
     """One attention layer of the kind, as the dummy load format makes it (bf16, fp32 where the reference keeps
     fp32), with an FP8 cache for `requests` requests of up to `tokens` tokens."""
     attn = flash_attention(ratio, DEV)
-    pool = PagePool(requests * (tokens // 256 + 1), 256)
+    pool = BlockManager(requests * (tokens // 256 + 1), 256, requests)
     attn.kv = LayerKV(ratio, pool.num_pages, requests, ARGS, 256, "fp8_e4m3", DEV)
     return attn, pool
 
 
-def _request(attn: Attention, slot: int) -> SequenceState:
+def _request(attn: Attention, slot: int) -> _Request:
     attn.kv.reset_slot(slot)
-    return SequenceState(slot=slot, table=PageTable())
+    return _Request(slot=slot)
 
 
-def _chunk(attn: Attention, pool: PagePool, seq: SequenceState, x: torch.Tensor) -> torch.Tensor:
+def _chunk(attn: Attention, pool: BlockManager, seq: _Request, x: torch.Tensor) -> torch.Tensor:
     """The layer's forward over the request's next len(x) tokens, as the model runs a prefill chunk."""
     return _step(attn, pool, [(seq, x)])
 
 
-def _step(attn: Attention, pool: PagePool, chunks: list[tuple[SequenceState, torch.Tensor]]) -> torch.Tensor:
+def _step(attn: Attention, pool: BlockManager, chunks: list[tuple[_Request, torch.Tensor]]) -> torch.Tensor:
     """The layer's forward over one step of chunks, each request's next len(x) tokens, with the batch's page table
     as the runner makes it (a row per request, as wide as the longest)."""
     positions = []

@@ -4,6 +4,7 @@ neither engine nor torch. Checked on the source, so a lazy import inside a funct
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,21 @@ def test_the_cycle_check_finds_a_circle_through_three_domains():
     graph = {"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"]}, "d": {"a": ["w"]}}
     assert _cycle(graph) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b": ["x"]}, "b": {}}) is None
+
+
+# Inside the engine: kernels are leaves (each imports only other kernels, besides torch, triton and the standard
+# library), and the model reads the tables a step hands it, never the block manager that hands out pages and slots.
+KERNEL_MAY_IMPORT = {"torch", "triton"}
+
+
+@pytest.mark.parametrize("path", _sources("engine/kernels"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_kernels_import_only_kernels(path):
+    engine = {m for m in _imported_modules(path) if m.split(".")[0] == "engine"}
+    outside = {m for m in engine if not m.startswith("engine.kernels")}
+    foreign = _imported_roots(path) - KERNEL_MAY_IMPORT - {"engine", "__future__"} - set(sys.stdlib_module_names)
+    assert not outside and not foreign, f"{path} imports {outside | foreign}"
+
+
+@pytest.mark.parametrize("path", _sources("engine/model"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_model_does_not_import_the_block_manager(path):
+    assert not any(m.startswith("engine.cache.block_manager") for m in _imported_modules(path)), path

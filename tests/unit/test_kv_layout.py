@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from engine.cache.block_manager import BlockManager, OutOfPages, PageTable
 from engine.cache.layout import KVLayout
-from engine.cache.pool import OutOfPages, PagePool, PageTable
+from engine.model.state import ForwardBatch
 
 FLASH = dict(
     head_dim=512, rope_dim=64, index_head_dim=128, window=128, n_c4_layers=21, n_c128_layers=20, n_window_layers=44
@@ -26,7 +28,7 @@ def test_bf16_rows_are_twice_the_channels():
 
 
 def test_pool_hands_out_pages_and_counts_capacity_from_them():
-    pool = PagePool(num_pages=4, page_size=256)
+    pool = BlockManager(num_pages=4, page_size=256, num_slots=2)
     assert pool.capacity_tokens == 1024 and pool.used_tokens == 0
     table = PageTable()
     table.grow(pool, 300)
@@ -37,6 +39,20 @@ def test_pool_hands_out_pages_and_counts_capacity_from_them():
     with pytest.raises(OutOfPages, match="3 pages asked, 2 free of 4"):
         other.grow(pool, 700)
     assert other.pages == [] and pool.num_free == 2
-    assert table.slots(69, 71, 64).tolist() == [1 * 64 + 5, 1 * 64 + 6]  # c4 rows 69, 70 are in the second page
     table.release(pool)
     assert pool.num_free == 4 and table.pages == []
+
+
+def test_the_block_manager_hands_out_request_slots():
+    blocks = BlockManager(num_pages=1, page_size=256, num_slots=2)
+    assert [blocks.take_slot(), blocks.take_slot()] == [0, 1]
+    with pytest.raises(RuntimeError, match="all 2 request slots are in use"):
+        blocks.take_slot()
+    blocks.free_slot(0)
+    assert blocks.take_slot() == 0
+
+
+def test_a_step_finds_a_requests_rows_through_its_page_table():
+    batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), [], [1])
+    batch.set_tables(torch.tensor([[7, 3]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+    assert batch.row_slots(0, 69, 71, 64).tolist() == [3 * 64 + 5, 3 * 64 + 6]  # c4 rows 69, 70: the second page
