@@ -14,6 +14,7 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_201_CREATED, HTTP_204_NO_CONTENT
 from sqlmodel import Session
 
+from app.audit import alerts as audit_alerts
 from app.audit.schemas import AlertRead
 from app.auth.guards import requires_operator, requires_viewer
 from app.route import service
@@ -146,7 +147,7 @@ class RouteApiController(Controller):
         self, db_session: NamedDependency[Session], all: Annotated[bool, QueryParameter()] = False
     ) -> list[AlertRead]:
         """The production watch's alerts, newest first: open ones, or with `all=true` acknowledged ones too."""
-        return service.alerts(db_session, include_acknowledged=all)
+        return audit_alerts.alerts(db_session, include_acknowledged=all)
 
     @post(
         "/alerts/{alert_id:int}/acknowledge",
@@ -157,7 +158,7 @@ class RouteApiController(Controller):
     )
     def acknowledge(self, request: Request, db_session: NamedDependency[Session], alert_id: FromPath[int]) -> AlertRead:
         """Mark an alert as seen; it leaves the console's banners."""
-        return service.acknowledge(db_session, request.user.name, alert_id)
+        return audit_alerts.acknowledge(db_session, request.user.name, alert_id)
 
 
 def route_base_url(request: Request, settings: Settings) -> str:

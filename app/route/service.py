@@ -1,5 +1,5 @@
 """Agent keys (a high-entropy secret shown once, stored as sha256, named, revocable), the route's usage per caller
-and profile, and the alerts operators must see. Keys are not operator tokens: each works on its own side only."""
+and profile. Keys are not operator tokens: each works on its own side only."""
 
 from __future__ import annotations
 
@@ -15,11 +15,6 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from app.audit import service as audit
-
-# The route's alert API (app/route/controller.py) calls these as service.alerts and service.acknowledge; they are the
-# audit domain's, where every domain raises alerts.
-from app.audit.alerts import acknowledge as acknowledge
-from app.audit.alerts import alerts as alerts
 from app.db import utcnow, writing
 from app.errors import Conflict, InvalidFields, name_errors
 from app.route.models import LATENCY_BUCKETS_S, AgentKey, RouteUsage
