@@ -346,5 +346,11 @@ def writing(db: Engine) -> Iterator[Session]:
     committed in between (SQLITE_BUSY_SNAPSHOT, which no busy timeout waits out); one that locks first waits for the
     lock instead (busy_timeout), then reads fresh rows."""
     with Session(db) as session:
-        session.connection().exec_driver_sql(TAKE_WRITE_LOCK)
+        lock_for_write(session)
         yield session
+
+
+def lock_for_write(session: Session) -> None:
+    """Begin `session`'s transaction with the write lock (see `writing`): for a request's own session that reads,
+    then writes."""
+    session.connection().exec_driver_sql(TAKE_WRITE_LOCK)

@@ -16,7 +16,7 @@ from sqlmodel import Session, col, select
 
 from app.audit import service as audit
 from app.auth.models import Operator, Role, Secret, Token, TokenKind
-from app.db import utcnow
+from app.db import lock_for_write, utcnow
 from app.errors import Conflict, InvalidFields, name_errors
 
 log = structlog.get_logger(__name__)
@@ -167,6 +167,7 @@ def sign_in(session: Session, name: str, secret: str, client: str) -> str:
     """Check an operator's API token and open a console session; returns the session secret for the cookie. A
     failure is an audit row (who was tried, from where, why), never with the token tried; the answer says no more
     than "unknown operator or token"."""
+    lock_for_write(session)  # it reads, then writes: another commit in between would fail it with "database is locked"
     operator = session.exec(select(Operator).where(Operator.name == name)).first()
     token = session.exec(select(Token).where(Token.token_sha256 == digest(secret), Token.kind == TokenKind.api)).first()
     if operator is None:
@@ -196,6 +197,7 @@ def sign_in(session: Session, name: str, secret: str, client: str) -> str:
 
 
 def sign_out(session: Session, principal: Principal) -> None:
+    lock_for_write(session)
     token = session.get(Token, principal.token_id)
     if token is not None and token.revoked_at is None:
         token.revoked_at = utcnow()
