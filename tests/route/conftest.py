@@ -3,6 +3,7 @@ process with real engine children on the tiny checkpoint for the route itself (t
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from litestar.testing import TestClient
 from app.main import create_app
 from app.settings import load_settings
 from tests.console.conftest import ADMIN_TOKEN
-from tests.support import sign_in
+from tests.support import free_port, sign_in
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -36,3 +37,19 @@ def client(data_dir: Path) -> Iterator[TestClient]:
 def sign_in_fixture(client: TestClient):
     """Sign in through the console's form, leaving the session cookie on the client; returns a CSRF token."""
     return lambda name, token: sign_in(client, name, token)
+
+
+def console_settings(base: Path, tiny_models_dir: Path, **extra: str) -> dict[str, str]:
+    """A console process's settings: its own data folder and a models folder holding a copy of the tiny checkpoint
+    under `base`, free ports for it and its engine, the test admin token; `extra` settings on top."""
+    models = base / "models"
+    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
+    return {
+        "FLASHGATE_DATA_DIR": str(base / "data"),
+        "FLASHGATE_MODELS_DIR": str(models),
+        "FLASHGATE_PORT": str(free_port()),
+        "FLASHGATE_ENGINE_PORT": str(free_port()),
+        "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
+        "FLASHGATE_MAKE_TINY": "0",
+        "OMP_NUM_THREADS": "1",
+    } | extra

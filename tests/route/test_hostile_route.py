@@ -9,7 +9,6 @@ answers a normal request in time, from the same engine process (no crash for the
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -40,10 +39,9 @@ from tests.api.hostile import (
     string_groups,
     tool_cases,
 )
-from tests.console.conftest import ADMIN_TOKEN
-from tests.route.conftest import ADMIN
+from tests.route.conftest import ADMIN, console_settings
 from tests.route.test_route import Console, approve
-from tests.support import free_port, wait_until
+from tests.support import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -59,26 +57,19 @@ ROUTE_STRINGS = ("huge", "surrogate", "number")
 def console(tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
     """A console whose production is one tiny profile (1024 tokens of context, 16 output tokens), and a key."""
     base = tmp_path_factory.mktemp("hostile-route")
-    models, data_dir = base / "models", base / "data"
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
-    port = free_port()
-    settings = {
-        "FLASHGATE_DATA_DIR": str(data_dir),
-        "FLASHGATE_MODELS_DIR": str(models),
-        "FLASHGATE_PORT": str(port),
-        "FLASHGATE_ENGINE_PORT": str(free_port()),
-        "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "FLASHGATE_MAKE_TINY": "0",
-        "FLASHGATE_BUILD": "route-test",
-        "FLASHGATE_ROUTE_ALIAS": ALIAS,
-        "FLASHGATE_ROUTE_RETRY_AFTER_S": "1",
+    settings = console_settings(
+        base,
+        tiny_models_dir,
+        FLASHGATE_BUILD="route-test",
+        FLASHGATE_ROUTE_ALIAS=ALIAS,
+        FLASHGATE_ROUTE_RETRY_AFTER_S="1",
         # A case that ends the engine fails on its own: the watch restarts production at once for the next, however
         # many cases did; and it never calls a busy engine hung.
-        "FLASHGATE_WATCH_INTERVAL_S": "0.5",
-        "FLASHGATE_WATCH_RESTARTS": "1000",
-        "FLASHGATE_WATCH_CANARY_TIMEOUT_S": "120",
-        "OMP_NUM_THREADS": "1",
-    }
+        FLASHGATE_WATCH_INTERVAL_S="0.5",
+        FLASHGATE_WATCH_RESTARTS="1000",
+        FLASHGATE_WATCH_CANARY_TIMEOUT_S="120",
+    )
+    data_dir, port = base / "data", settings["FLASHGATE_PORT"]
     url = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=url, timeout=60)
     console = Console(url, "", data_dir, http, "", settings, base / "console.log")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -32,8 +31,8 @@ import openai
 import pytest
 
 from tests.console.conftest import ADMIN_TOKEN
-from tests.route.conftest import ADMIN
-from tests.support import free_port, sign_in, start_console, terminate, wait_until
+from tests.route.conftest import ADMIN, console_settings
+from tests.support import sign_in, start_console, terminate, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -120,28 +119,22 @@ def approve(data_dir: Path, profile: str) -> None:
 @pytest.fixture(scope="module")
 def console(tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
     base = tmp_path_factory.mktemp("route-console")
-    models, data_dir = base / "models", base / "data"
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
-    port, engine_port = free_port(), free_port()
-    settings = {
-        "FLASHGATE_DATA_DIR": str(data_dir),
-        "FLASHGATE_MODELS_DIR": str(models),
-        "FLASHGATE_PORT": str(port),
-        "FLASHGATE_ENGINE_PORT": str(engine_port),
-        "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "FLASHGATE_MAKE_TINY": "0",
-        "FLASHGATE_BUILD": "route-test",
-        "FLASHGATE_ROUTE_ALIAS": ALIAS,
-        "FLASHGATE_ROUTE_RETRY_AFTER_S": RETRY_AFTER,
-        "FLASHGATE_ENGINE_GRACE_S": "3",
-        "FLASHGATE_DRAIN_TIMEOUT_S": "5",
+    settings = console_settings(
+        base,
+        tiny_models_dir,
+        FLASHGATE_BUILD="route-test",
+        FLASHGATE_ROUTE_ALIAS=ALIAS,
+        FLASHGATE_ROUTE_RETRY_AFTER_S=RETRY_AFTER,
+        FLASHGATE_ENGINE_GRACE_S="3",
+        FLASHGATE_DRAIN_TIMEOUT_S="5",
         # The canary, not /health, finds the hang: /health gets far longer than the canary.
-        "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S": "120",
-        "FLASHGATE_WATCH_INTERVAL_S": "0.5",
-        "FLASHGATE_WATCH_CANARY_TIMEOUT_S": "3",
-        "FLASHGATE_WATCH_RESTARTS": "1",
-        "OMP_NUM_THREADS": "1",
-    }
+        FLASHGATE_ENGINE_HEALTH_TIMEOUT_S="120",
+        FLASHGATE_WATCH_INTERVAL_S="0.5",
+        FLASHGATE_WATCH_CANARY_TIMEOUT_S="3",
+        FLASHGATE_WATCH_RESTARTS="1",
+    )
+    data_dir, port, engine_port = (base / "data", settings["FLASHGATE_PORT"],
+                                   settings["FLASHGATE_ENGINE_PORT"])  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=url, timeout=60)
     console = Console(url, f"http://127.0.0.1:{engine_port}", data_dir, http, "", settings, base / "console.log")

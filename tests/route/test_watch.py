@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import threading
 import time
@@ -16,10 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.console.conftest import ADMIN_TOKEN
-from tests.route.conftest import ADMIN
+from tests.route.conftest import ADMIN, console_settings
 from tests.route.test_route import approve
-from tests.support import free_port, start_console, terminate, wait_until
+from tests.support import start_console, terminate, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,23 +31,16 @@ STREAM_TOKENS = 250
 @pytest.fixture(scope="module")
 def console(tmp_path_factory, tiny_models_dir) -> Iterator[tuple[httpx.Client, str, str]]:
     base = tmp_path_factory.mktemp("watch-console")
-    models, data_dir = base / "models", base / "data"
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
-    port = free_port()
-    settings = {
-        "FLASHGATE_DATA_DIR": str(data_dir),
-        "FLASHGATE_MODELS_DIR": str(models),
-        "FLASHGATE_PORT": str(port),
-        "FLASHGATE_ENGINE_PORT": str(free_port()),
-        "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "FLASHGATE_MAKE_TINY": "0",
-        "FLASHGATE_ROUTE_ALIAS": ALIAS,
-        "FLASHGATE_ENGINE_GRACE_S": "3",
-        "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S": "120",
-        "FLASHGATE_WATCH_INTERVAL_S": "0.5",
-        "FLASHGATE_WATCH_CANARY_TIMEOUT_S": str(CANARY_TIMEOUT_S),
-        "OMP_NUM_THREADS": "1",
-    }
+    settings = console_settings(
+        base,
+        tiny_models_dir,
+        FLASHGATE_ROUTE_ALIAS=ALIAS,
+        FLASHGATE_ENGINE_GRACE_S="3",
+        FLASHGATE_ENGINE_HEALTH_TIMEOUT_S="120",
+        FLASHGATE_WATCH_INTERVAL_S="0.5",
+        FLASHGATE_WATCH_CANARY_TIMEOUT_S=str(CANARY_TIMEOUT_S),
+    )
+    data_dir, port = base / "data", settings["FLASHGATE_PORT"]
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=ADMIN)
     proc = start_console(settings, base / "console.log")
     try:
