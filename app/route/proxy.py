@@ -22,6 +22,7 @@ import asyncio
 import json
 import secrets
 import time
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from hmac import compare_digest
@@ -346,7 +347,11 @@ class AgentRoute:
         kind = response.headers.get("content-type", "application/json")
         if response.status_code == 200 and kind.startswith("text/event-stream"):
             headers |= {"content-type": kind, "cache-control": "no-cache"}
-            return Answer(200, headers, stream=self._relay(response, endpoint, done), serving=serving)
+            relay = self._relay(response, endpoint, done)
+            # A stream whose client goes away before its first event is asked for never runs the relay, nor so its
+            # cleanup: when it is dropped unread, the request still leaves the route's count.
+            weakref.finalize(relay, self._dropped_unread, response, done)
+            return Answer(200, headers, stream=relay, serving=serving)
         try:
             data = await response.aread()
         except httpx.HTTPError as exc:
@@ -374,6 +379,12 @@ class AgentRoute:
         model = {k: v for k, v in entry.items() if k != "root"}  # the weights' path is the profile's business
         model |= {"id": self.alias, "owned_by": "flashgate", "max_output_tokens": most, "capabilities": capabilities}
         return {"object": "list", "data": [model]}
+
+    def _dropped_unread(self, response: httpx.Response, done: Callable[[bool], None]) -> None:
+        if response.is_closed:  # the relay ran and closed it, and said when it was done
+            return
+        done(False)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(response.aclose()))
 
     async def _relay(
         self, response: httpx.Response, endpoint: str, done: Callable[[bool], None]

@@ -245,7 +245,7 @@ def test_the_route_holds_no_more_agent_requests_than_production_admits(console, 
     assert console.switched(console.switch(narrow))["status"] == "committed"
     long = {"model": ALIAS, "prompt": "Hold on", "max_tokens": 900, "ignore_eos": True, "stream": True}
     with agent.stream("POST", COMPLETIONS, json=long) as first, agent.stream("POST", COMPLETIONS, json=long) as second:
-        assert (first.status_code, second.status_code) == (200, 200)
+        assert (first.status_code, second.status_code) == (200, 200), second.read()
         third = agent.post(COMPLETIONS, json=long | {"stream": False})
         assert third.status_code == 429, third.text
         error = third.json()["error"]
