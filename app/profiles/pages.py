@@ -17,7 +17,27 @@ from app.console import redirect
 from app.errors import FieldError, InvalidFields
 from app.profiles.controller import provide_profile_service
 from app.profiles.schemas import DTYPES, KV_CACHE_DTYPES, SETTINGS, ProfileChildCreate, ProfileRead
-from app.profiles.service import ProfileService
+from app.profiles.service import NameTaken, ProfileService
+
+# Each setting on a form in words: its label, its unit, and what bounds it (the API's field name is shown too).
+SETTING_LABELS: dict[str, tuple[str, str, str]] = {
+    "model": ("Model folder", "", "a folder under the models directory (FLASHGATE_MODELS_DIR)"),
+    "revision": ("Weights revision", "", "optional: the checkpoint's revision, for the record"),
+    "dtype": ("Weights data type", "", "auto reads it from the checkpoint"),
+    "context_length": ("Context length", "tokens", "prompt plus answer of one request; at most the model's maximum"),
+    "max_num_batched_tokens": ("Tokens per step", "tokens", "prefill budget of one step; at least the sequences"),
+    "max_num_seqs": ("Concurrent sequences", "requests", "requests decoding at once"),
+    "gpu_memory_utilization": ("GPU memory share", "fraction", "of each GPU's memory the engine may take; 0 to 1"),
+    "kv_cache_dtype": ("KV cache data type", "", "fp8_e4m3 halves the cache per token"),
+    "cuda_graph_max_bs": (
+        "CUDA graph batch limit",
+        "sequences",
+        "largest decode batch captured; at most the sequences",
+    ),
+    "tensor_parallel_size": ("GPUs per engine", "GPUs", "1 until tensor parallelism exists"),
+    "max_output_tokens": ("Route's answer limit", "tokens", "the route clamps max_tokens to it; at most the context"),
+    "engine_extras": ("Engine extras", "JSON object", "further engine options by name"),
+}
 
 INT_SETTINGS = {"context_length", "max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"}
 INT_SETTINGS |= {"tensor_parallel_size", "max_output_tokens"}
@@ -54,22 +74,21 @@ def _parse(field: str, raw: str) -> Any:
     return raw
 
 
-def child_request(form: dict[str, str], parent: ProfileRead) -> ProfileChildCreate:
+def child_request(form: dict[str, str], parent: ProfileRead) -> tuple[ProfileChildCreate, list[FieldError]]:
     """The make-child form as the API's request: only the settings that differ from the parent are changes (a field
-    left out of the form keeps the parent's value). Unreadable values are refused before any rule is checked, as
-    the API refuses a wrongly typed body."""
-    changes, errors = {}, []
+    left out of the form keeps the parent's value). A value that cannot be read keeps the parent's too and comes back
+    as an error of its own, so the service still checks every other field and the form shows all errors at once."""
+    changes, unreadable = {}, []
     for field in (f for f in SETTINGS if f in form):
         try:
             value = _parse(field, form[field].strip())
         except ValueError as exc:
-            errors.append(FieldError(field, str(exc)))
+            unreadable.append(FieldError(field, str(exc)))
             continue
         if value != getattr(parent, field):
             changes[field] = value
-    if errors:
-        raise InvalidFields(errors)
-    return ProfileChildCreate(name=form.get("name", "").strip(), rationale=form.get("rationale", ""), **changes)
+    request = ProfileChildCreate(name=form.get("name", "").strip(), rationale=form.get("rationale", ""), **changes)
+    return request, unreadable
 
 
 class ProfilePages(Controller):
@@ -100,10 +119,11 @@ class ProfilePages(Controller):
     ) -> Response:
         parent = profiles.read_one(name)
         try:
-            child = profiles.create_child(request.user.name, name, child_request(data, parent))
-        except InvalidFields as exc:
+            child = profiles.create_child(request.user.name, name, *child_request(data, parent))
+        except (InvalidFields, NameTaken) as exc:
             # Re-render with every error beside its input; htmx swaps just the form, a plain post gets the page.
-            context = self._form_context(parent, {**_form_values(parent), **data}, exc.errors)
+            errors = exc.errors if isinstance(exc, InvalidFields) else [FieldError(exc.field, exc.detail)]
+            context = self._form_context(parent, {**_form_values(parent), **data}, errors)
             template = "profiles/_child_form.html" if request.htmx else "profiles/child.html"
             return Template(template, context=context, status_code=exc.status_code)
         return redirect(request, f"/profiles/{child.name}")
@@ -120,5 +140,6 @@ class ProfilePages(Controller):
             "values": values,
             "errors": {e.field: e.message for e in errors},
             "settings": SETTINGS,
+            "labels": SETTING_LABELS,
             "choices": {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES},
         }

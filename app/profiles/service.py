@@ -53,6 +53,12 @@ BLOCKER_LABELS = {
 }
 
 
+class NameTaken(Conflict):
+    """Another profile has the name: a form shows it at its name field."""
+
+    field = "name"
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     weights_present: bool
@@ -185,6 +191,15 @@ class ProfileService:
         could not be written once another write committed meanwhile."""
         return extras_errors(extras, SETTINGS) if isinstance(extras, dict) else []
 
+    @staticmethod
+    def _taken_message(name: str) -> str:
+        return f"a profile named {name!r} already exists: choose another name"
+
+    def _taken_errors(self, name: str) -> list[FieldError]:
+        """A taken name among a write's other errors, so one answer names them all; alone it is a 409 (NameTaken)."""
+        taken = self.session.exec(select(Profile.id).where(Profile.name == name)).first() is not None
+        return [FieldError("name", self._taken_message(name))] if taken else []
+
     def _insert(self, actor: str, action: str, profile: Profile, parent: Profile | None, **extra: Any) -> Profile:
         """Add a validated profile and its audit row; a taken name surfaces here (the unique index decides, so two
         requests racing for one name cannot both win) and rolls everything back."""
@@ -193,7 +208,7 @@ class ProfileService:
             self.session.flush()
         except IntegrityError as exc:
             self.session.rollback()
-            raise Conflict(f"a profile named {profile.name!r} already exists") from exc
+            raise NameTaken(self._taken_message(profile.name)) from exc
         audit.record(
             self.session, actor, action, f"profile:{profile.name}", after={**snapshot(profile, parent), **extra}
         )
@@ -213,30 +228,35 @@ class ProfileService:
         extras = self._extras_errors(data.engine_extras)
         settings = ProfileSettings(**{f: getattr(data, f) for f in SETTINGS})
         if errors := name_errors(data.name) + extras + self._write_errors(settings):
-            raise InvalidFields(errors)
+            raise InvalidFields(errors + self._taken_errors(data.name))
         profile = self._insert(
             actor, "profile.create", self._new(data.name, data.rationale, settings, actor, None), None
         )
         self.session.commit()
         return profile
 
-    def create_child(self, actor: str, parent_name: str, data: ProfileChildCreate) -> Profile:
-        """A copy of the parent with the requested changes; evidence never carries over."""
+    def create_child(
+        self, actor: str, parent_name: str, data: ProfileChildCreate, unreadable: list[FieldError] | None = None
+    ) -> Profile:
+        """A copy of the parent with the requested changes; evidence never carries over. `unreadable`: the form's
+        fields that were not a value of their type (the request keeps the parent's value for each), refused together
+        with every rule the rest breaks."""
+        unreadable = unreadable or []
         extras = self._extras_errors(data.engine_extras)
         parent = self.get(parent_name)
         base = settings_of(parent)
         settings = msgspec.structs.replace(base, **data.as_dict())
-        errors = name_errors(data.name) + extras
+        errors = name_errors(data.name) + unreadable + extras
         if not data.rationale.strip():
             errors.append(
                 FieldError("rationale", "rationale is required for a child: say which setting changed and why")
             )
-        if not settings_diff(base, settings):
+        if not settings_diff(base, settings) and not unreadable:
             errors.append(
                 FieldError("settings", f"a child must change at least one setting from its parent {parent_name!r}")
             )
         if errors := errors + self._write_errors(settings):
-            raise InvalidFields(errors)
+            raise InvalidFields(errors + self._taken_errors(data.name))
         child = self._insert(
             actor, "profile.create_child", self._new(data.name, data.rationale, settings, actor, parent), parent
         )

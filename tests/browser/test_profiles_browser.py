@@ -1,5 +1,6 @@
 """An operator in a real browser: sign in to the real console process, open cpu-demo, make a child with another
-context length through the htmx form, and find it in the profile list."""
+context length through the htmx form (its every mistake reported at once, beside its field), and find it in the
+profile list."""
 
 from __future__ import annotations
 
@@ -25,16 +26,33 @@ def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
     expect(page.get_by_role("heading", name="cpu-demo")).to_be_visible()
     page.get_by_role("link", name="Make a child").click()
 
-    # A mistake first: the error shows beside its field, the form stays.
-    page.get_by_label("Name").fill("cpu-demo-2k")
-    page.locator("#f-context_length").fill("999999999")
+    # Settings are labelled in words, with their unit and what bounds them beside the field.
+    context = page.get_by_label("Context length (tokens)")
+    expect(context).to_have_value("4096")
+    expect(page.locator(".field", has=context).locator(".hint")).to_contain_text("at most the model's maximum")
+    expect(page.get_by_label("GPU memory share (fraction)")).to_be_visible()
+
+    # Four mistakes at once, one of them not a number: every one shows beside its field, the form stays.
+    page.get_by_label("Name").fill("cpu-demo")
+    context.fill("999999999")
+    page.get_by_label("Concurrent sequences (requests)").fill("lots")
     page.get_by_role("button", name="Create child").click()
+    expect(page.locator("#error-name")).to_contain_text("a profile named 'cpu-demo' already exists")
     expect(page.locator("#error-rationale")).to_contain_text("rationale is required")
     expect(page.locator("#error-context_length")).to_contain_text("at most 1048576")
+    expect(page.locator("#error-max_num_seqs")).to_contain_text("max_num_seqs must be a whole number, got 'lots'")
+    expect(page.locator("#child-form .alert")).to_contain_text("fix the 4 fields marked below")
     page.screenshot(path=str(ARTIFACTS / "profiles-child-form-errors.png"), full_page=True)
 
+    # Fixed but for one: only that error stays.
+    page.get_by_label("Name").fill("cpu-demo-2k")
     page.get_by_label("Rationale").fill("Half the context: does the demo answer faster?")
-    page.locator("#f-context_length").fill("2048")
+    page.get_by_label("Concurrent sequences (requests)").fill("4")
+    page.get_by_role("button", name="Create child").click()
+    expect(page.locator("#child-form small.error")).to_have_count(1)
+    expect(page.locator("#error-context_length")).to_be_visible()
+
+    context.fill("2048")
     page.get_by_role("button", name="Create child").click()
     expect(page).to_have_url(f"{console_url}/profiles/cpu-demo-2k")
     expect(page.locator("table.diff")).to_contain_text("context_length")
