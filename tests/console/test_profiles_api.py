@@ -163,6 +163,14 @@ def test_names_are_unique(client, operator, data_dir):
         ),
     ):
         assert response.status_code == 409 and "already exists" in response.json()["detail"]
+    # Among other errors, the taken name is one more field in the one 422 that names them all.
+    response = client.post(
+        "/api/profiles/cpu-demo/children",
+        json={"name": "tiny-root", "rationale": "", "max_num_seqs": 0},
+        headers=operator,
+    )
+    assert response.status_code == 422
+    assert {e["field"] for e in response.json()["extra"]} >= {"name", "rationale", "max_num_seqs"}
     assert row_counts(data_dir) == before
 
 
