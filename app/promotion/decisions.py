@@ -161,6 +161,13 @@ class Promoter:
         """Record a decision; a promotion also starts the switch. Returns the decision id and the switch's."""
         with writing(self.db) as session:
             profile = profile_named(session, profile_name)
+            run = self._decided_run(session, profile, data.run)
+            if run.status is RunStatus.aborted:
+                # Its gates not run decide nothing, whatever the decision and its waivers say.
+                raise Conflict(
+                    f"run #{run.id} was aborted ({run.stop_reason or 'the ladder stopped'}): an aborted run decides "
+                    f"nothing; fix the cause and qualify {profile.name!r} again"
+                )
             errors = []
             if data.decision not in {k.value for k in DecisionKind}:
                 errors.append(
@@ -173,7 +180,6 @@ class Promoter:
                 errors.append(FieldError("reason", "reason is required: say in a sentence why"))
             if errors:
                 raise InvalidFields(errors)
-            run = self._decided_run(session, profile, data.run)
             kind = DecisionKind(data.decision)
             if kind is not DecisionKind.promote:
                 if data.waivers:
@@ -250,19 +256,16 @@ class Promoter:
                 errors.append(FieldError(f"waivers[{i}].gate", f"waivers[{i}].gate {waiver.gate!r} is waived twice"))
             if not waiver.reason.strip():
                 errors.append(
-                    FieldError(f"waivers[{i}].reason", f"waivers[{i}].reason is required: say why the gate may fail")
+                    FieldError(
+                        f"waivers[{i}].reason",
+                        f"the waiver of {waiver.gate!r} needs a reason (waivers[{i}].reason): say why it may fail",
+                    )
                 )
             seen.add(waiver.gate)
             waivers.append((waiver.gate, waiver.reason.strip()))
         if errors:
             raise InvalidFields(errors)
         refusals = [r for r in self.target_refusals(session, profile) if r.status == 423]
-        if run.status is RunStatus.aborted:
-            refusals.append(
-                Refusal(
-                    409, f"run #{run.id} stopped before its end ({run.stop_reason}): gates not run cannot be waived"
-                )
-            )
         if run.content_hash != profile.content_hash:
             refusals.append(Refusal(409, f"run #{run.id} qualified other content than {profile.name!r} has now"))
         stale = staleness(session, run, profile, self.settings.models_dir)

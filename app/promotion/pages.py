@@ -17,7 +17,8 @@ from sqlmodel import Session, col, select
 from app.audit.alerts import alerts
 from app.auth.guards import requires_operator, requires_viewer
 from app.console import redirect
-from app.errors import FieldError, InvalidFields
+from app.engine_control.slot import Locked
+from app.errors import Conflict, FieldError, InvalidFields
 from app.profiles.models import Profile
 from app.profiles.service import profile_named
 from app.promotion.controller import provide_promoter
@@ -139,9 +140,15 @@ class DecisionPages(Controller):
         decision, waived = decision_request(data, run)
         try:
             _, promotion = promoter.decide(request.user.name, run.profile, decision)
-        except InvalidFields as exc:
-            # The form again with every error beside its input; a 409 or 423 shows as the page's notice instead.
-            context = run_context(db_session, qualifier, run_id, values=data, errors=form_errors(exc.errors, waived))
+        except (InvalidFields, Conflict, Locked) as exc:
+            # The form again, where the operator is looking: every field error beside its input, or the refusal
+            # beside the button with each failed gate that lacks a waiver marked; nothing from the last try stays.
+            if isinstance(exc, InvalidFields):
+                extra = {"errors": form_errors(exc.errors, waived)}
+            else:
+                unwaived = [g.name for g in run.gates if g.status == "failed" and g.name not in waived]
+                extra = {"refusal": exc.detail, "unwaived": unwaived if decision.decision == "promote" else []}
+            context = run_context(db_session, qualifier, run_id, values=data, **extra)
             template = "qualification/_decision.html" if request.htmx else "qualification/run.html"
             return Template(template, context=context, status_code=exc.status_code)
         return redirect(request, "/route" if promotion else f"/qualifications/{run_id}")

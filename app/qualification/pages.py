@@ -29,17 +29,21 @@ RECOMMENDATION_LABELS = {
     "reject": "Reject",
     "requalify": "Requalify",
     "pending": "Pending",
+    "none": "No proposal",
 }
 
 
 def run_context(session: Session, qualifier: Qualifier, run_id: int, **extra: Any) -> dict[str, Any]:
-    """What a run's page shows; `extra` holds the decision form's values and errors when it comes back refused."""
+    """What a run's page shows; `extra` holds the decision form's values, its field errors or the refusal, and the
+    failed gates without a waiver, when it comes back refused."""
     run = service.read_run(session, run_id, qualifier.reading)
     return {
         "run": run,
         "labels": RECOMMENDATION_LABELS,
         "values": {},
         "errors": {},
+        "refusal": None,
+        "unwaived": [],
         **extra,
     }
 

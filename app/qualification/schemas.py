@@ -82,8 +82,8 @@ class ComparisonRead(msgspec.Struct):
 
 
 class ProposalRead(msgspec.Struct):
-    # promote, no_promotion, reject, requalify, or pending while the run goes on. A proposal only: an operator
-    # decides.
+    # promote, no_promotion, reject, requalify, pending while the run goes on, or none for an aborted run (whose
+    # gates not run decide nothing). A proposal only: an operator decides.
     recommendation: str
     headline: str
     reasons: list[str]

@@ -209,9 +209,12 @@ def proposal(
         return ProposalRead("pending", "the run is still going", [], failed, compared)
     if run.status is RunStatus.aborted:
         return ProposalRead(
-            "reject",
-            f"reject: the ladder stopped: {run.stop_reason}",
-            [run.stop_reason or "the ladder stopped", "gates not run cannot be waived: fix it and qualify again"],
+            "none",
+            f"no proposal: the run was aborted ({run.stop_reason or 'the ladder stopped'})",
+            [
+                run.stop_reason or "the ladder stopped",
+                "an aborted run decides nothing: gates not run cannot be waived; fix the cause and qualify again",
+            ],
             failed,
             compared,
         )

@@ -74,18 +74,37 @@ def test_watch_a_run_approve_it_with_waivers_and_roll_back(start_console, browse
     expect(page.locator("#gate-post_stress_smoke .gate-status")).to_have_text("passed")
     page.screenshot(path=str(ARTIFACTS / "qualification-proposal.png"), full_page=True)
 
-    # Approve with a waiver per failed gate, typing the profile's name.
+    # Promote without waivers first: the refusal shows where the operator is, at the form, and marks each failed
+    # gate that lacks a waiver.
     form = page.locator("#decision-form")
     form.get_by_label("Promote").check()
     form.locator("#d-reason").fill("B halves max_num_seqs; the demo model cannot answer agents either way")
+    form.locator("#d-confirm").fill(B)
+    form.get_by_role("button", name="Record decision").click()
+    refusal = page.locator("#decision-refusal")
+    expect(refusal).to_contain_text("failed without a waiver")
+    expect(refusal).to_be_in_viewport()
+    expect(page.locator("#notice")).to_be_empty()
     failed = [
         g["name"] for g in api.get(f"/api/qualifications/{run_b['id']}").json()["gates"] if g["status"] == "failed"
     ]
-    assert failed
+    assert len(failed) > 1
+    for gate in failed:
+        expect(page.locator(f"#waiver-{gate}.invalid")).to_contain_text("has no waiver")
+    page.screenshot(path=str(ARTIFACTS / "qualification-decision-refused.png"), full_page=True)
+
+    # Every waiver but the last with its reason: the error names that gate, and the refusal before it is gone.
     for gate in failed:
         form.locator(f"#waive-{gate}").check()
+    for gate in failed[:-1]:
         form.locator(f"#waiver-reason-{gate}").fill(f"{gate}: a toy CPU model, not an agent")
-    form.locator("#d-confirm").fill(B)
+    form.get_by_role("button", name="Record decision").click()
+    expect(page.locator(f"#waiver-{failed[-1]} .error")).to_contain_text(f"the waiver of '{failed[-1]}' needs a reason")
+    expect(page.locator("#decision-refusal")).to_have_count(0)
+    expect(page.locator("#decision-form .waiver.invalid")).to_have_count(1)
+
+    # Approve with a waiver per failed gate, typing the profile's name.
+    form.locator(f"#waiver-reason-{failed[-1]}").fill(f"{failed[-1]}: a toy CPU model, not an agent")
     page.screenshot(path=str(ARTIFACTS / "qualification-decision.png"), full_page=True)
     form.get_by_role("button", name="Record decision").click()
 
@@ -119,3 +138,27 @@ def test_watch_a_run_approve_it_with_waivers_and_roll_back(start_console, browse
     page.screenshot(path=str(ARTIFACTS / "route-rolled-back.png"), full_page=True)
     engine = api.get("/api/engine").json()
     assert engine["state"] == "ready" and engine["profile"] == A
+
+    # A run whose engine cannot start is aborted: it proposes nothing and offers no decision, and the API refuses
+    # one with 409 "was aborted" rather than a 422 about the gates it never ran.
+    created = api.post(
+        f"/api/profiles/{A}/children",
+        json={
+            "name": "demo-broken",
+            "rationale": "an option the engine refuses",
+            "engine_extras": {"shutdown_grace_s": -1},
+        },
+    )
+    assert created.status_code == 201, created.text
+    broken = api.post("/api/profiles/demo-broken/qualifications", json={"confirm_downtime": True}).json()
+    page.goto(f"{url}/qualifications/{broken['id']}")
+    expect(page.locator("#run-live")).to_have_attribute("data-status", "aborted", timeout=90_000)
+    expect(page.locator("#proposal .badge.rec")).to_have_text("No proposal")
+    expect(page.locator("#decision-aborted")).to_contain_text("This run was aborted, so it decides nothing")
+    expect(page.locator("#decision-form")).to_have_count(0)
+    page.screenshot(path=str(ARTIFACTS / "qualification-aborted.png"), full_page=True)
+    refused = api.post(
+        "/api/profiles/demo-broken/decisions",
+        json={"decision": "promote", "reason": "x", "confirm": "demo-broken", "waivers": [{"gate": "tools"}]},
+    )
+    assert refused.status_code == 409 and "was aborted" in refused.json()["detail"], refused.text

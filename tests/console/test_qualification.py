@@ -409,9 +409,14 @@ def test_an_engine_that_cannot_start_stops_the_ladder_but_not_the_log_scan(conso
     needs_engine = [g for g in run["gates"] if g["name"] not in ("readiness", "vram_reserve", "log_scan")]
     assert {g["status"] for g in needs_engine} == {"not_run"}
     assert gate(run, "vram_reserve")["status"] == "n/a" and gate(run, "log_scan")["status"] == "failed"
-    assert run["proposal"]["recommendation"] == "reject"
-    refused = console.decide("tiny-q1k-broken", decision="promote", reason="try", confirm="tiny-q1k-broken")
-    assert refused.status_code == 409 and "gates not run cannot be waived" in refused.json()["detail"]
+    assert run["proposal"]["recommendation"] == "none"
+    # Whatever the decision and its waivers: the run was aborted, not a 422 about the gates it never ran.
+    for body in (
+        {"decision": "promote", "reason": "try", "confirm": "tiny-q1k-broken", "waivers": [{"gate": "tools"}]},
+        {"decision": "reject", "reason": "it cannot start"},
+    ):
+        refused = console.decide("tiny-q1k-broken", **body)
+        assert refused.status_code == 409 and "was aborted" in refused.json()["detail"], refused.text
     assert run["disruption"]["restored"] and console.engine()["profile"] == A
 
 
