@@ -1,0 +1,213 @@
+"""The routed experts' grouped GEMM over MXFP4 weights as the official checkpoint stores them (reference §9): packed
+e2m1 pairs (low nibble = the even element) with one ue8m0 scale per 32 values, kept packed in GPU memory.
+
+The same pipeline as the bf16 path in engine/kernels/moe.py, whose counting sort and pair order it reuses: pairs
+grouped by expert, then a gate/up launch (clamped SwiGLU and the routing weight fused, h in x's dtype) and a down
+launch over the active experts only, each program reading its expert's weight tile once per BLOCK_M pairs. Every
+shape depends on N, k and E only and nothing goes to the host, so a CUDA graph captured for a batch size replays with
+any routing.
+
+W4A16: the codes are upcast to x's dtype (bf16) in registers and meet the activations on the bf16 tensor cores.
+Hopper has no FP4 tensor cores; the alternative, W4A8 (e2m1 -> e4m3 is exact), would run the FP8 tensor cores but
+the per-32 weight scale then applies either to a K=32 partial sum per token (an fp32 multiply-add per token and 32
+weights, as much work as the upcast at batch 32) or not exactly, and the activations would be rounded to e4m3 where
+the bf16 path keeps them; decode streams weights, so the MMA rate that W4A8 doubles is not what limits it, and the
+conversion costs the same bit operations either way. (Not yet decided by measurement on the H200: bench/quant.py
+reports the W4A16 kernel's fraction of copy bandwidth.)
+
+The upcast is a handful of integer operations a code and no table: the nibble's sign, exponent and mantissa bits
+placed into e4m3 bits (sign -> bit 7, e and m -> bits 2-4) give exactly the e2m1 value times 2**-6 (0.5 lands on an
+e4m3 subnormal), the hardware's e4m3 conversion makes it bf16, and one multiply by 2**(scale - 121) (exact: a power
+of two) restores it. The dot is split into the even and the odd elements of each K tile (low and high nibbles, x
+loaded likewise), so no shuffle puts them back in order. Scales up to 2**121 (bytes <= 248) are exact; the
+checkpoint's are near 2**-10.
+
+The weights are taken in the checkpoint's layout: w1, w3 [E, I, D/2] (uint8 or int8) with scales [E, I, D/32] and w2
+[E, D, I/2] with [E, D, I/32], the scales float8_e8m0fnu (or their uint8 view). Each program reads rows of 16 bytes
+for each 32 values, K contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.dispatch import interpreting, use_triton
+from engine.kernels.moe import _dot, group_pairs_by_expert_triton, moe_expert_pairs_reference
+from engine.kernels.quant import dequantize_fp4_weight
+from engine.kernels.scales import pow2
+
+MX_BLOCK = 32  # values per ue8m0 scale
+
+
+def moe_expert_pairs_mxfp4_reference(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None):
+    """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D/2] packed e2m1 with ue8m0 scales [E, I, D/32]; w2
+    [E, D, I/2] with [E, D, I/32] -> [N * k, D] in x's dtype: moe_expert_pairs_reference over the picked experts'
+    weights dequantized (exactly) to x's dtype."""
+    experts, local = torch.unique(ids, return_inverse=True)
+
+    def dequantized(w, scale):
+        return dequantize_fp4_weight(w[experts], scale[experts], x.dtype)
+
+    return moe_expert_pairs_reference(
+        x, weights, local, dequantized(w1, w1_scale), dequantized(w3, w3_scale), dequantized(w2, w2_scale), limit,
+        touched,
+    )  # fmt: skip
+
+
+@triton.jit
+def _upcast(codes, scale, DTYPE: tl.constexpr, F32: tl.constexpr):
+    """codes uint8 [ROWS, B, 16] (B blocks of 32 values), scale uint8 [ROWS, B] -> (even, odd) [ROWS, B * 16] in
+    DTYPE: the low and the high nibbles' values. The scaling multiply is exact in DTYPE; F32 does it in fp32 (the
+    interpreter's bf16 products are wrong, as its bf16 dots are)."""
+    low = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
+    high = (codes & 0x80) | ((codes >> 2) & 0x1C)
+    work: tl.constexpr = tl.float32 if F32 else DTYPE
+    factor = pow2(scale.to(tl.int32) - 121).to(work)[:, :, None]
+    rows: tl.constexpr = codes.shape[0]
+    width: tl.constexpr = codes.shape[1] * codes.shape[2]
+    even = (low.to(tl.float8e4nv, bitcast=True).to(work) * factor).to(DTYPE)
+    odd = (high.to(tl.float8e4nv, bitcast=True).to(work) * factor).to(DTYPE)
+    return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
+
+
+@triton.jit
+def _mx_tile_offsets(e, rows, stride_we, stride_wr, stride_se, stride_sr, BLOCK_K: tl.constexpr):
+    """Byte offsets of one expert's code tile [rows, BLOCK_K/32, 16] and scale tile [rows, BLOCK_K/32] at K = 0."""
+    blocks = tl.arange(0, BLOCK_K // 32)
+    byte = tl.arange(0, 16)
+    codes = e.to(tl.int64) * stride_we + rows[:, None, None] * stride_wr + blocks[None, :, None] * 16 + byte[None, None]
+    scales = e.to(tl.int64) * stride_se + rows[:, None] * stride_sr + blocks[None, :]
+    return codes, scales
+
+
+@triton.jit
+def _mxfp4_gate_up_kernel(
+    x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, pair_ptr, weights_ptr, active_ptr, offsets_ptr, h_ptr,
+    stride_xn, stride_we, stride_wi, stride_se, stride_si, stride_hm, limit,
+    E: tl.constexpr, TOP_K: tl.constexpr, D: tl.constexpr, CLAMP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """moe._gate_up_kernel over packed weights: one expert's rows [tile * BLOCK_I, +BLOCK_I) of w1 and w3 against all
+    of that expert's pairs, transposed (weights as the dot's M side)."""
+    e = tl.load(active_ptr + tl.program_id(0))
+    if e < E:
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        w_offs, s_offs = _mx_tile_offsets(e, i, stride_we, stride_wi, stride_se, stride_si, BLOCK_K)
+        even = 2 * tl.arange(0, BLOCK_K // 2)
+        dtype = h_ptr.dtype.element_ty
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            valid = rows < end
+            pair = tl.load(pair_ptr + rows, mask=valid, other=0)
+            x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + even[:, None]  # [BLOCK_K / 2, BLOCK_M]
+            gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+            up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                x_even = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
+                x_odd = tl.load(x_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
+                g_even, g_odd = _upcast(
+                    tl.load(w1_ptr + w_offs + k0 // 2), tl.load(s1_ptr + s_offs + k0 // 32), dtype, F32_DOT
+                )
+                u_even, u_odd = _upcast(
+                    tl.load(w3_ptr + w_offs + k0 // 2), tl.load(s3_ptr + s_offs + k0 // 32), dtype, F32_DOT
+                )
+                gate = _dot(g_odd, x_odd, _dot(g_even, x_even, gate, F32_DOT), F32_DOT)
+                up = _dot(u_odd, x_odd, _dot(u_even, x_even, up, F32_DOT), F32_DOT)
+            if CLAMP:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = gate * tl.sigmoid(gate) * up * tl.load(weights_ptr + pair, mask=valid, other=0.0)[None, :]
+            tl.store(h_ptr + rows[None, :] * stride_hm + i[:, None], h.to(dtype), mask=valid[None, :])
+
+
+@triton.jit
+def _mxfp4_down_kernel(
+    h_ptr, w2_ptr, s2_ptr, pair_ptr, active_ptr, offsets_ptr, y_ptr,
+    stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
+    E: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """moe._down_kernel over packed weights: one expert's rows [tile * BLOCK_D, +BLOCK_D) of w2 against all of that
+    expert's pairs."""
+    e = tl.load(active_ptr + tl.program_id(0))
+    if e < E:
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        w_offs, s_offs = _mx_tile_offsets(e, d, stride_we, stride_wd, stride_se, stride_sd, BLOCK_K)
+        even = 2 * tl.arange(0, BLOCK_K // 2)
+        dtype = y_ptr.dtype.element_ty
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            valid = rows < end
+            pair = tl.load(pair_ptr + rows, mask=valid, other=0)
+            h_ptrs = h_ptr + rows[None, :] * stride_hm + even[:, None]
+            acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                h_even = tl.load(h_ptrs + k0, mask=valid[None, :], other=0.0)
+                h_odd = tl.load(h_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
+                w_even, w_odd = _upcast(
+                    tl.load(w2_ptr + w_offs + k0 // 2), tl.load(s2_ptr + s_offs + k0 // 32), dtype, F32_DOT
+                )
+                acc = _dot(w_odd, h_odd, _dot(w_even, h_even, acc, F32_DOT), F32_DOT)
+            tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def moe_expert_pairs_mxfp4_triton(
+    x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None, block_m: int | None = None,
+    block_i: int = 32, block_d: int = 64, block_k: int = 256, num_warps: int = 4, num_stages: int = 4,
+):  # fmt: skip
+    """Three launches, as moe.moe_expert_pairs_triton: the counting sort (which counts the experts touched), then
+    gate/up and down over the active experts. block_k counts values (two a byte), a multiple of 32."""
+    n, dim = x.shape
+    n_experts, inter, _ = w1.shape
+    top_k = ids.shape[1]
+    pairs = n * top_k
+    if pairs == 0:
+        return torch.zeros(pairs, dim, dtype=x.dtype, device=x.device)
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
+    block_i, block_d = min(block_i, inter), min(block_d, dim)
+    block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)
+    w1, w3, w2 = _bytes(w1), _bytes(w3), _bytes(w2)
+    s1, s3, s2 = _bytes(w1_scale), _bytes(w3_scale), _bytes(w2_scale)
+    if (inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or block_k_up % MX_BLOCK
+            or block_k_down % MX_BLOCK or w1.stride() != w3.stride() or s1.stride() != s3.stride()
+            or tuple(w2.shape) != (n_experts, dim, inter // 2) or w1.stride(2) != 1 or w2.stride(2) != 1
+            or s1.stride(2) != 1 or s2.stride(2) != 1):  # fmt: skip
+        raise ValueError(f"MXFP4 experts D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}, or their "
+                         "codes / scales are not laid out alike with K contiguous")  # fmt: skip
+    x = x.contiguous()
+    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), n_experts, touched)
+    slots = min(n_experts, pairs)
+    active = active[:slots]
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
+    y = torch.empty(pairs, dim, dtype=x.dtype, device=x.device)
+    f32_dot = x.dtype == torch.float32 or interpreting()
+    _mxfp4_gate_up_kernel[(slots, inter // block_i)](
+        x, w1, s1, w3, s3, order, weights.reshape(-1), active, offsets, h,
+        x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), limit,
+        E=n_experts, TOP_K=top_k, D=dim, CLAMP=limit > 0,
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _mxfp4_down_kernel[(slots, dim // block_d)](
+        h, w2, s2, order, active, offsets, y,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        E=n_experts, INTER=inter, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def moe_expert_pairs_mxfp4(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None):
+    """The Triton kernels on CUDA, the reference elsewhere."""
+    impl = moe_expert_pairs_mxfp4_triton if use_triton(x.device) else moe_expert_pairs_mxfp4_reference
+    return impl(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched)

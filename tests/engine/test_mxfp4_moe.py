@@ -1,0 +1,91 @@
+"""The MXFP4 routed-expert grouped GEMM (engine/kernels/mxfp4_moe.py) against its plain-torch reference under
+Triton's interpreter, at small sizes: fp32 and bf16 activations, one token and several, odd expert counts, experts
+with no pairs, every pair on one expert (blocks of pairs looped), all-zero and extreme scales, int8 and uint8 codes;
+and the reference against dequantize-then-matmul in float64. tests/gpu/test_quant_kernels_gpu.py runs it at
+V4-Flash sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.moe import moe_expert_pairs_reference
+from engine.kernels.mxfp4_moe import moe_expert_pairs_mxfp4_reference, moe_expert_pairs_mxfp4_triton
+from engine.kernels.quant import dequantize_fp4_weight, quantize_fp4_weight
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; tests/gpu covers CUDA")
+
+K, D, INTER, LIMIT = 3, 64, 64, 1.0  # a limit of 1 makes the SwiGLU clamp bite
+
+
+def _packed(*shape, gen: torch.Generator):
+    """Random [.., out, in] quantized to (int8 codes [.., out, in/2], ue8m0 scales [.., out, in/32])."""
+    w = torch.randn(*shape, generator=gen) * shape[-1] ** -0.5 * 2
+    codes, scale = quantize_fp4_weight(w.reshape(-1, shape[-1]))
+    return codes.view(*shape[:-1], -1), scale.view(*shape[:-1], -1)
+
+
+def _experts(n_experts: int, gen: torch.Generator):
+    w1, s1 = _packed(n_experts, INTER, D, gen=gen)
+    w3, s3 = _packed(n_experts, INTER, D, gen=gen)
+    w2, s2 = _packed(n_experts, D, INTER, gen=gen)
+    return w1, s1, w3, s3, w2, s2
+
+
+def _routing(n: int, n_experts: int, gen: torch.Generator):
+    ids = torch.stack([torch.randperm(n_experts, generator=gen)[:K] for _ in range(n)])
+    return torch.rand(n, K, generator=gen) + 0.2, ids
+
+
+def _assert_matches(x, weights, ids, experts, **launch):
+    touched, ref_touched = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    ref = moe_expert_pairs_mxfp4_reference(x, weights, ids, *experts, LIMIT, ref_touched)
+    got = moe_expert_pairs_mxfp4_triton(x, weights, ids, *experts, LIMIT, touched, block_k=32, **launch)
+    assert got.dtype == x.dtype and got.shape == (ids.numel(), D) and got.isfinite().all()
+    assert touched.item() == ref_touched.item() == len(torch.unique(ids))
+    if x.dtype == torch.float32:  # exact weights either way: only the fp32 sums' order differs
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    else:  # the kernel keeps gate/up in fp32 where the reference rounds them to bf16 (as the bf16 path)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("n", "n_experts"), [(1, 5), (9, 7)])
+def test_experts_match_reference(dtype, n, n_experts):
+    gen = torch.Generator().manual_seed(10 * n + n_experts)
+    weights, ids = _routing(n, n_experts, gen)
+    x = torch.randn(n, D, generator=gen).to(dtype)
+    _assert_matches(x, weights, ids, _experts(n_experts, gen))
+
+
+def test_every_pair_on_one_expert():
+    """20 tokens x 3 picks of expert 2 of 3: 60 pairs in one slot, in blocks of 16; the other slots empty."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(20, D, generator=gen)
+    weights = torch.rand(20, K, generator=gen)
+    _assert_matches(x, weights, torch.full((20, K), 2), _experts(3, gen), block_m=16)
+
+
+def test_zero_blocks_extreme_scales_and_uint8_codes():
+    """Scales from 2**-127 (byte 0) to 2**53 beside ordinary ones, blocks of zero codes, uint8 codes as int8's."""
+    gen = torch.Generator().manual_seed(22)
+    w1, s1, w3, s3, w2, s2 = _experts(5, gen)
+    raw1 = s1.view(torch.uint8)
+    raw1[0, :4, 0], raw1[1, :4, 1], raw1[2, 3, :] = 0, 127 + 53, 127 - 90
+    w1[3, :8, :16] = 0
+    s2.view(torch.uint8)[1, :8, 0] = 127 - 60
+    weights, ids = _routing(6, 5, gen)
+    x = torch.randn(6, D, generator=gen)
+    _assert_matches(x, weights, ids, (w1.view(torch.uint8), s1, w3, s3, w2, s2))
+
+
+def test_reference_against_dequantize_then_matmul():
+    """The reference is the bf16 experts' reference over the dequantized weights: in float64, to 1e-6 of fp32."""
+    gen = torch.Generator().manual_seed(23)
+    w1, s1, w3, s3, w2, s2 = experts = _experts(4, gen)
+    weights, ids = _routing(5, 4, gen)
+    x = torch.randn(5, D, generator=gen)
+    ref = moe_expert_pairs_mxfp4_reference(x, weights, ids, *experts, LIMIT).double()
+    dense = [dequantize_fp4_weight(w, s, torch.float64) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    exact = moe_expert_pairs_reference(x.double(), weights.double(), ids, *dense, LIMIT)
+    assert (ref - exact).norm() <= 1e-6 * exact.norm()
