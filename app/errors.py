@@ -18,6 +18,8 @@ class FieldError:
 
 class InvalidFields(HTTPException):
     status_code = HTTP_422_UNPROCESSABLE_ENTITY
+    # The answer's description in the OpenAPI schema (each raise gives its own detail).
+    detail = "a field breaks a rule: `extra` lists each as {field, message}, the message naming the limit"
 
     def __init__(self, errors: list[FieldError]) -> None:
         self.errors = errors
@@ -31,6 +33,7 @@ class Conflict(ClientException):
     """The request is well formed but the current state forbids it (a name taken, a profile with evidence)."""
 
     status_code = HTTP_409_CONFLICT
+    detail = "the current state forbids it: `detail` says why"
 
 
 NAME_RE = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")

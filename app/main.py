@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 import structlog
-from litestar import Litestar, Router, get
+from litestar import Litestar, Router, get, head
 from litestar.config.csrf import CSRFConfig
 from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
@@ -157,6 +157,15 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         """The process is up; the build it runs is in the X-Flashgate-Build header."""
         return {"status": "ok"}
 
+    @head(
+        "/healthz",
+        sync_to_thread=False,
+        include_in_schema=False,
+        response_headers=[ResponseHeader(name=BUILD_HEADER, value=settings.build)],
+    )
+    def healthz_head() -> None:
+        """`curl -sI …/healthz`: the same answer without the body."""
+
     @get("/readyz", sync_to_thread=True, include_in_schema=False)
     def readyz() -> dict[str, str]:
         """The database answers, through the same engine every request uses."""
@@ -170,6 +179,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
     return Litestar(
         route_handlers=[
             healthz,
+            healthz_head,
             readyz,
             OperatorController,
             ProfileController,

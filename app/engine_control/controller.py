@@ -15,7 +15,8 @@ from app.auth.guards import requires_operator, requires_viewer
 from app.engine_control import service
 from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.schemas import EngineRead, LogTail, RestartRequest, RunRead, StartRequest
-from app.engine_control.slot import EngineSlot
+from app.engine_control.slot import EngineSlot, Locked
+from app.errors import Conflict
 
 
 def provide_slot(state: State) -> EngineSlot:
@@ -54,6 +55,7 @@ class EngineController(Controller):
         guards=[requires_operator],
         operation_id="startEngine",
         status_code=HTTP_202_ACCEPTED,
+        raises=[Conflict, Locked],
         sync_to_thread=True,
     )
     def start(
@@ -72,7 +74,14 @@ class EngineController(Controller):
             slot.supervisor.start(request.user.name, data.profile)
         return service.engine_status(db_session, slot, checkpoint)
 
-    @post("/stop", guards=[requires_operator], operation_id="stopEngine", status_code=HTTP_200_OK, sync_to_thread=True)
+    @post(
+        "/stop",
+        guards=[requires_operator],
+        operation_id="stopEngine",
+        status_code=HTTP_200_OK,
+        raises=[Conflict, Locked],
+        sync_to_thread=True,
+    )
     def stop(
         self,
         request: Request,
@@ -93,6 +102,7 @@ class EngineController(Controller):
         guards=[requires_operator],
         operation_id="restartEngine",
         status_code=HTTP_202_ACCEPTED,
+        raises=[Conflict, Locked],
         sync_to_thread=True,
     )
     def restart(

@@ -37,6 +37,7 @@ class Locked(ClientException):
     """Another transaction holds the engine: a qualification run or a promotion switch."""
 
     status_code = HTTP_423_LOCKED
+    detail = "a qualification run, a switch or the production watch holds the engine: `detail` names it"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 from sqlmodel import Session
 
 from app.auth.guards import requires_operator, requires_viewer
+from app.errors import Conflict, InvalidFields
 from app.profiles.schemas import ProfileChildCreate, ProfileCreate, ProfileRead, ProfileUpdate
 from app.profiles.service import ProfileService
 
@@ -33,6 +34,7 @@ class ProfileController(Controller):
         "/",
         guards=[requires_operator],
         operation_id="createProfile",
+        raises=[InvalidFields, Conflict],
         status_code=HTTP_201_CREATED,
         sync_to_thread=True,
     )
@@ -47,7 +49,13 @@ class ProfileController(Controller):
         """One profile: settings, state (weights, tensor parallelism, evidence, retired) and diff against its parent."""
         return profiles.read_one(name)
 
-    @patch("/{name:str}", guards=[requires_operator], operation_id="updateProfile", sync_to_thread=True)
+    @patch(
+        "/{name:str}",
+        guards=[requires_operator],
+        operation_id="updateProfile",
+        raises=[InvalidFields, Conflict],
+        sync_to_thread=True,
+    )
     def update_profile(
         self,
         request: Request,
@@ -62,6 +70,7 @@ class ProfileController(Controller):
         "/{name:str}/children",
         guards=[requires_operator],
         operation_id="createChildProfile",
+        raises=[InvalidFields, Conflict],
         status_code=HTTP_201_CREATED,
         sync_to_thread=True,
     )
@@ -80,6 +89,7 @@ class ProfileController(Controller):
         "/{name:str}/retire",
         guards=[requires_operator],
         operation_id="retireProfile",
+        raises=[Conflict],
         status_code=HTTP_200_OK,
         sync_to_thread=True,
     )

@@ -7,11 +7,14 @@ from litestar import Controller, Request, Response, get, post, put
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import NotFoundException
+from litestar.openapi import ResponseSpec
 from litestar.params import FromPath, JSONBody
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 from sqlmodel import Session, col, select
 
 from app.auth.guards import requires_operator, requires_viewer
+from app.engine_control.slot import Locked
+from app.errors import Conflict, InvalidFields
 from app.profiles.controller import provide_profile_service
 from app.profiles.models import Profile
 from app.profiles.roles import route_row
@@ -30,6 +33,17 @@ def provide_promoter(state: State) -> Promoter:
 
 
 PROMOTER = {"promoter": Provide(provide_promoter, sync_to_thread=False)}
+REFUSED = [InvalidFields, Conflict, Locked]
+
+
+def switch_responses(what: str) -> dict[int, ResponseSpec]:
+    """A switch answers 202 with the switch to poll, or 200 with the plan for `dry_run: true`."""
+    return {
+        HTTP_202_ACCEPTED: ResponseSpec(
+            PromotionRead, description=f"{what} started: poll GET /api/route/promotions/{{id}} until it ends"
+        ),
+        HTTP_200_OK: ResponseSpec(PlanRead, description="dry_run: what would stop and start, and what refuses it"),
+    }
 
 
 def get_promotion(session: Session, promotion_id: int) -> PromotionRead:
@@ -66,7 +80,15 @@ class RouteController(Controller):
             return None
         return profiles.read_one(db_session.get(Profile, route.production_id).name)
 
-    @put("/production", guards=[requires_operator], operation_id="promoteProfile", sync_to_thread=True)
+    @put(
+        "/production",
+        guards=[requires_operator],
+        operation_id="promoteProfile",
+        status_code=HTTP_202_ACCEPTED,
+        responses=switch_responses("the switch"),
+        raises=REFUSED,
+        sync_to_thread=True,
+    )
     def promote(
         self,
         request: Request,
@@ -87,7 +109,15 @@ class RouteController(Controller):
         promotion_id = promoter.promote(request.user.name, data.profile, data.reason)
         return Response(get_promotion(db_session, promotion_id), status_code=HTTP_202_ACCEPTED)
 
-    @post("/rollback", guards=[requires_operator], operation_id="rollBack", sync_to_thread=True)
+    @post(
+        "/rollback",
+        guards=[requires_operator],
+        operation_id="rollBack",
+        status_code=HTTP_202_ACCEPTED,
+        responses=switch_responses("the rollback"),
+        raises=REFUSED,
+        sync_to_thread=True,
+    )
     def rollback(
         self,
         request: Request,
@@ -129,6 +159,7 @@ class DecisionController(Controller):
         guards=[requires_operator],
         operation_id="decide",
         status_code=HTTP_201_CREATED,
+        raises=REFUSED,
         sync_to_thread=True,
     )
     def decide(

@@ -161,13 +161,6 @@ class Promoter:
         """Record a decision; a promotion also starts the switch. Returns the decision id and the switch's."""
         with writing(self.db) as session:
             profile = profile_named(session, profile_name)
-            run = self._decided_run(session, profile, data.run)
-            if run.status is RunStatus.aborted:
-                # Its gates not run decide nothing, whatever the decision and its waivers say.
-                raise Conflict(
-                    f"run #{run.id} was aborted ({run.stop_reason or 'the ladder stopped'}): an aborted run decides "
-                    f"nothing; fix the cause and qualify {profile.name!r} again"
-                )
             errors = []
             if data.decision not in {k.value for k in DecisionKind}:
                 errors.append(
@@ -180,6 +173,13 @@ class Promoter:
                 errors.append(FieldError("reason", "reason is required: say in a sentence why"))
             if errors:
                 raise InvalidFields(errors)
+            run = self._decided_run(session, profile, data.run)
+            if run.status is RunStatus.aborted:
+                # Its gates not run decide nothing, whatever the decision and its waivers say.
+                raise Conflict(
+                    f"run #{run.id} was aborted ({run.stop_reason or 'the ladder stopped'}): an aborted run decides "
+                    f"nothing; fix the cause and qualify {profile.name!r} again"
+                )
             kind = DecisionKind(data.decision)
             if kind is not DecisionKind.promote:
                 if data.waivers:

@@ -13,6 +13,8 @@ from litestar.status_codes import HTTP_202_ACCEPTED
 from sqlmodel import Session
 
 from app.auth.guards import requires_operator, requires_viewer
+from app.engine_control.slot import Locked
+from app.errors import Conflict
 from app.profiles.service import profile_named
 from app.qualification import service
 from app.qualification.gates import LADDER
@@ -40,6 +42,7 @@ class QualificationController(Controller):
         guards=[requires_operator],
         operation_id="startQualification",
         status_code=HTTP_202_ACCEPTED,
+        raises=[Conflict, Locked],
         sync_to_thread=True,
     )
     def start(
