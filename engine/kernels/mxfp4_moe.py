@@ -57,18 +57,18 @@ def moe_expert_pairs_mxfp4_reference(x, weights, ids, w1, w1_scale, w3, w3_scale
 
 
 @triton.jit
-def _upcast(codes, scale, DTYPE: tl.constexpr, F32: tl.constexpr):
+def _upcast(codes, scale, DTYPE: tl.constexpr):
     """codes uint8 [ROWS, B, 16] (B blocks of 32 values), scale uint8 [ROWS, B] -> (even, odd) [ROWS, B * 16] in
-    DTYPE: the low and the high nibbles' values. The scaling multiply is exact in DTYPE; F32 does it in fp32 (the
-    interpreter's bf16 products are wrong, as its bf16 dots are)."""
+    DTYPE: the low and the high nibbles' values. e4m3 -> fp32, the scaling multiply in fp32 (exact), then DTYPE:
+    Triton 3.6 converts e4m3 to bf16 through an instruction sm_89 lacks, and its interpreter's bf16 products are
+    wrong."""
     low = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
     high = (codes & 0x80) | ((codes >> 2) & 0x1C)
-    work: tl.constexpr = tl.float32 if F32 else DTYPE
-    factor = pow2(scale.to(tl.int32) - 121).to(work)[:, :, None]
+    factor = pow2(scale.to(tl.int32) - 121)[:, :, None]
     rows: tl.constexpr = codes.shape[0]
     width: tl.constexpr = codes.shape[1] * codes.shape[2]
-    even = (low.to(tl.float8e4nv, bitcast=True).to(work) * factor).to(DTYPE)
-    odd = (high.to(tl.float8e4nv, bitcast=True).to(work) * factor).to(DTYPE)
+    even = (low.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
+    odd = (high.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
     return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
 
 
@@ -109,12 +109,8 @@ def _mxfp4_gate_up_kernel(
             for k0 in range(0, D, BLOCK_K):
                 x_even = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
                 x_odd = tl.load(x_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
-                g_even, g_odd = _upcast(
-                    tl.load(w1_ptr + w_offs + k0 // 2), tl.load(s1_ptr + s_offs + k0 // 32), dtype, F32_DOT
-                )
-                u_even, u_odd = _upcast(
-                    tl.load(w3_ptr + w_offs + k0 // 2), tl.load(s3_ptr + s_offs + k0 // 32), dtype, F32_DOT
-                )
+                g_even, g_odd = _upcast(tl.load(w1_ptr + w_offs + k0 // 2), tl.load(s1_ptr + s_offs + k0 // 32), dtype)
+                u_even, u_odd = _upcast(tl.load(w3_ptr + w_offs + k0 // 2), tl.load(s3_ptr + s_offs + k0 // 32), dtype)
                 gate = _dot(g_odd, x_odd, _dot(g_even, x_even, gate, F32_DOT), F32_DOT)
                 up = _dot(u_odd, x_odd, _dot(u_even, x_even, up, F32_DOT), F32_DOT)
             if CLAMP:
@@ -150,9 +146,7 @@ def _mxfp4_down_kernel(
             for k0 in range(0, INTER, BLOCK_K):
                 h_even = tl.load(h_ptrs + k0, mask=valid[None, :], other=0.0)
                 h_odd = tl.load(h_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
-                w_even, w_odd = _upcast(
-                    tl.load(w2_ptr + w_offs + k0 // 2), tl.load(s2_ptr + s_offs + k0 // 32), dtype, F32_DOT
-                )
+                w_even, w_odd = _upcast(tl.load(w2_ptr + w_offs + k0 // 2), tl.load(s2_ptr + s_offs + k0 // 32), dtype)
                 acc = _dot(w_odd, h_odd, _dot(w_even, h_even, acc, F32_DOT), F32_DOT)
             tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
 

@@ -8,6 +8,7 @@ the pick, as JSON."""
 from __future__ import annotations
 
 import json
+import types
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -52,5 +53,64 @@ def picks() -> dict:
     return out
 
 
+# The FP8 linears' and MXFP4 experts' kernels at V4-Flash shapes, compiled the same way: their launches as the
+# wrappers make them on each target (the prefill GEMM's pipelining depth from the target's shared memory).
+def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
+    from engine.kernels import fp8_gemm as fp8
+    from engine.kernels.mxfp4_moe import _mxfp4_down_kernel, _mxfp4_gate_up_kernel
+
+    def compile_shared(fn, signature, constexprs, num_warps, num_stages):
+        names = list(signature) + list(constexprs)
+        # as a launch specialises them at these shapes: pointers, strides and K 16-aligned
+        aligned = [n for n in signature if n.endswith("ptr") or "stride" in n or n == "K"]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        signature = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
+        source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))  # fmt: skip
+        return kernel.metadata.shared
+
+    device = types.SimpleNamespace(type="cuda")
+    out = {}
+    for m, block_n in ((1, 64), (64, 128)):
+        out[f"fp8 decode M={m}"] = compile_shared(fp8._decode_kernel, dict(
+            x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*fp32", M="i32", K="i32", kb_per_split="i32",
+            stride_xm="i32", stride_xg="i32", stride_wn="i32", stride_s="i32", stride_om="i32", stride_os="i32",
+        ), dict(R=4096, TILES=4096 // block_n, E8M0=True, BLOCK_M=max(16, m), BLOCK_N=block_n, F32_DOT=False,
+                TINY=fp8.FP8_TINY), 4, on_target(arch, fp8.decode_stages, device, m))  # fmt: skip
+    out["fp8 quantize"] = compile_shared(fp8._quantize_kernel, dict(
+        x_ptr="*bf16", codes_ptr="*fp8e4nv", scale_ptr="*fp32", rows="i32", K="i32", stride_x="i32",
+    ), dict(ROWS=32, TINY=fp8.FP8_TINY, EXACT_CAST=False), 4, 1)  # fmt: skip
+    out["fp8 prefill"] = compile_shared(fp8._prefill_kernel, dict(
+        a_ptr="*fp8e4nv", sa_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*bf16", M="i32", K="i32",
+        stride_am="i32", stride_ag="i32", stride_sam="i32", stride_sag="i32", stride_wn="i32", stride_s="i32",
+        stride_om="i32", stride_og="i32",
+    ), dict(R=4096, E8M0=True, GROUP_M=8, BLOCK_M=128, BLOCK_N=128, F32_DOT=False), 8,
+        on_target(arch, fp8.prefill_stages, device))  # fmt: skip
+    for block_m in (16, 32):
+        out[f"mxfp4 gate_up BLOCK_M={block_m}"] = compile_shared(_mxfp4_gate_up_kernel, dict(
+            x_ptr="*bf16", w1_ptr="*u8", s1_ptr="*u8", w3_ptr="*u8", s3_ptr="*u8", pair_ptr="*i64",
+            weights_ptr="*fp32", active_ptr="*i64", offsets_ptr="*i64", h_ptr="*bf16", stride_xn="i32",
+            stride_we="i32", stride_wi="i32", stride_se="i32", stride_si="i32", stride_hm="i32", limit="fp32",
+        ), dict(E=256, TOP_K=6, D=4096, CLAMP=True, BLOCK_M=block_m, BLOCK_I=32, BLOCK_K=256, F32_DOT=False),
+            4, 4)  # fmt: skip
+        out[f"mxfp4 down BLOCK_M={block_m}"] = compile_shared(_mxfp4_down_kernel, dict(
+            h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", pair_ptr="*i64", active_ptr="*i64", offsets_ptr="*i64",
+            y_ptr="*bf16", stride_hm="i32", stride_we="i32", stride_wd="i32", stride_se="i32", stride_sd="i32",
+            stride_ym="i32",
+        ), dict(E=256, INTER=2048, BLOCK_M=block_m, BLOCK_D=64, BLOCK_K=256, F32_DOT=False), 4, 4)  # fmt: skip
+    return out
+
+
+def on_target(arch: int, pick, *args) -> int:
+    """A launch rule's pick (pick(*args)) on a GPU of the target's shared memory a block."""
+    from unittest import mock
+
+    with mock.patch("engine.kernels.fp8_gemm.shared_memory_limit", return_value=TARGETS[arch]):
+        return pick(*args)
+
+
 if __name__ == "__main__":
-    print(json.dumps(picks(), indent=1))
+    print(
+        json.dumps({**picks(), **{f"sm_{arch} quant": quant_kernel_shared_bytes(arch) for arch in TARGETS}}, indent=1)
+    )

@@ -41,3 +41,19 @@ def test_gpus_with_99_kb_of_shared_memory_get_a_launch_that_fits():
             if not few:  # the H200's 64-head launch would not start there
                 assert got["shared"][str(list(launches[0]))] > got["limit"], got
         assert picks[f"sm_90 {table}"]["pick"] == list(launches[0])
+
+
+@pytest.mark.slow
+def test_quant_kernels_fit_99_kb_of_shared_memory():
+    """The FP8 linears' and MXFP4 experts' kernels compile for sm_89, sm_90 and sm_120 at V4-Flash shapes, each launch
+    within the target's shared memory a block."""
+    from tests.engine.attention_shared_memory import TARGETS
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from tests.engine.attention_shared_memory import TARGETS, quant_kernel_shared_bytes; "
+            "print(json.dumps({a: quant_kernel_shared_bytes(a) for a in TARGETS}))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for arch, kernels in json.loads(done.stdout).items():
+        assert len(kernels) == 8 and all(0 < shared <= TARGETS[int(arch)] for shared in kernels.values()), kernels
