@@ -67,7 +67,9 @@ def test_fp8_grouped_wo_a(m):
     x = torch.randn(m, 8, 4096, device=DEV, generator=gen).bfloat16()
     got = fp8_block_grouped_linear_triton(x, weight, scale)
     assert got.shape == (m, 8, 1024) and got.dtype == torch.bfloat16
-    _close(got, fp8_block_grouped_linear_reference(x, weight, scale, torch.float32))
+    # compared in fp32: the bf16 output's own rounding is 1.7e-3 relative (seen on an H200 at da28c64)
+    _close(fp8_block_grouped_linear_triton(x, weight, scale, torch.float32),
+           fp8_block_grouped_linear_reference(x, weight, scale, torch.float32))  # fmt: skip
 
 
 def test_fp8_linear_in_a_cuda_graph():
