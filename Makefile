@@ -32,9 +32,12 @@ FLASHGATE_COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unkno
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Not quiet: a first install takes minutes, and pip's own lines (each package, its download) are the progress.
 $(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q $(TORCH_CPU); fi
-	$(BIN)/pip install -q -e '.[server,console]'
+	@echo "Installing the engine and the console into $(VENV) (first use only; a few minutes)"
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "No NVIDIA GPU: torch's CPU build first ($(TORCH_CPU))"; $(BIN)/pip install $(TORCH_CPU); fi
+	$(BIN)/pip install -e '.[server,console]'
 	@touch $@
 
 $(DEV_STAMP): $(RUN_STAMP)

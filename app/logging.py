@@ -44,6 +44,8 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # httpx logs every request at INFO: the supervisor's /health poll alone was most of the log.
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
 
 
 class RequestLogMiddleware(ASGIMiddleware):
@@ -53,7 +55,8 @@ class RequestLogMiddleware(ASGIMiddleware):
     scopes = (ScopeType.HTTP,)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
-        incoming = Headers.from_scope(scope).get("x-request-id", "")
+        headers = Headers.from_scope(scope)
+        incoming = headers.get("x-request-id", "")
         request_id = incoming if REQUEST_ID_RE.fullmatch(incoming) else uuid.uuid4().hex
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -67,10 +70,12 @@ class RequestLogMiddleware(ASGIMiddleware):
                 MutableScopeHeaders.from_message(message)["x-request-id"] = request_id
             await send(message)
 
+        # An open page's htmx polling asks every second or two; a line each would bury everything else.
+        polled = scope["method"] == "GET" and headers.get("hx-request") == "true"
         try:
             await next_app(scope, receive, send_with_id)
         finally:
-            _access_log.info(
+            (_access_log.debug if polled and status < 400 else _access_log.info)(
                 "request",
                 method=scope["method"],
                 path=scope["path"],

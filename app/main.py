@@ -7,14 +7,15 @@ import threading
 from pathlib import Path
 
 import structlog
-from litestar import Litestar, Router, get, head
+from litestar import Litestar, Response, Router, get, head
 from litestar.config.csrf import CSRFConfig
 from litestar.datastructures import ResponseHeader, State
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ServiceUnavailableException
+from litestar.exceptions import HTTPException, NotFoundException, ServiceUnavailableException
+from litestar.exceptions.responses import create_exception_response
 from litestar.openapi.config import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
-from litestar.plugins.htmx import HTMXPlugin
+from litestar.plugins.htmx import HTMXPlugin, HTMXRequest
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
@@ -29,9 +30,9 @@ from app.auth.controller import OperatorController
 from app.auth.guards import requires_viewer
 from app.auth.middleware import API_PREFIX, ROUTE_PREFIX, AuthenticationMiddleware, security_headers
 from app.auth.pages import SignInController
-from app.auth.service import CSRF_SECRET, appliance_secret, bootstrap_admin
+from app.auth.service import CSRF_SECRET, ENV_ADMIN, appliance_secret, bootstrap_admin
 from app.auth.throttle import AttemptLimit
-from app.console import console_router
+from app.console import console_error, console_router
 from app.db import create_db_engine, migrate, session_provider
 from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.controller import EngineController
@@ -94,9 +95,17 @@ def prepare_database(settings: Settings) -> tuple[Engine, str]:
         ProfileService(session, settings.models_dir, profile_facts(settings)).seed(SEED_DIR)
         setup_token = bootstrap_admin(session, settings.admin_token)
         csrf_secret = appliance_secret(session, CSRF_SECRET)
+    url = settings.public_url or f"http://{settings.host}:{settings.port}"
     if setup_token is not None:
         # Printed this once only: it is stored hashed, and exchanged for the admin account at /setup.
-        log.warning("setup_token", token=setup_token, exchange_at="/setup or POST /api/setup")
+        log.warning("setup_token", token=setup_token, exchange_at=f"{url}/setup or POST /api/setup")
+    if settings.admin_token:
+        how = f"operator {ENV_ADMIN!r}, token: the value of FLASHGATE_ADMIN_TOKEN"
+    elif setup_token is not None:
+        how = f"first exchange the setup_token above at {url}/setup for an admin and its token"
+    else:
+        how = "an operator's name and one of their tokens (an admin makes operators: POST /api/operators)"
+    log.info("console_sign_in", url=f"{url}/signin", sign_in=how)
     return engine, csrf_secret
 
 
@@ -104,6 +113,16 @@ def log_unexpected_error(exc: Exception, scope: Scope) -> None:
     """HTTP errors are answers; anything else is a bug, logged with its traceback and the request id."""
     if not isinstance(exc, HTTPException):
         log.error("unhandled_exception", path=scope.get("path"), exc_info=exc)
+
+
+def not_found(request: HTMXRequest, exc: NotFoundException) -> Response:
+    """A browser's unknown path is a page; the API, the agent route and the schema answer JSON, as for any error."""
+    if request.url.path.startswith((API_PREFIX, ROUTE_PREFIX, "/schema")):
+        return create_exception_response(request, exc)
+    if "route_handler" not in request.scope:
+        # A path no route knows; a page's own 404 (an unknown profile) keeps its words.
+        exc = NotFoundException(f"there is no page at {request.url.path}")
+    return console_error(request, exc)
 
 
 def make_driver(settings: Settings) -> EngineDriver:
@@ -208,6 +227,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         ],
         dependencies={"db_session": Provide(session_provider(engine))},
         middleware=[RequestLogMiddleware(), AuthenticationMiddleware(engine)],
+        exception_handlers={NotFoundException: not_found},
         before_send=[security_headers],
         # The API and the agent route authenticate by bearer token only (never the cookie), so cross-site forms
         # cannot ride on them; probes, the schema and static files take no form.

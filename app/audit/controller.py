@@ -26,9 +26,12 @@ class AuditController(Controller):
         limit: Annotated[int, QueryParameter(ge=1, le=1000)] = 100,
         target: FromQuery[str | None] = None,
         action: FromQuery[str | None] = None,
+        actor: FromQuery[str | None] = None,
+        before: FromQuery[int | None] = None,
     ) -> list[AuditRead]:
-        """Who changed what and when, with the state before and after; filter by `target` (`profile:<name>`,
-        `operator:<name>`, `token:<id>`) or `action`."""
+        """Who changed what and when, with the state before and after, newest first; filter by `target`
+        (`profile:<name>`, `operator:<name>`, `token:<id>`), `action` (or a family: `decision` is every
+        `decision.*`) and `actor`; `before` (a row's id) pages on to older rows."""
         return [
             AuditRead(
                 id=row.id,
@@ -40,5 +43,5 @@ class AuditController(Controller):
                 after=row.after,
                 request_id=row.request_id,
             )
-            for row in service.recent(db_session, limit, target, action)
+            for row in service.recent(db_session, limit, target, action, actor, before)
         ]

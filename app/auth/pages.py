@@ -28,8 +28,9 @@ class SignInController(Controller):
     dependencies = {"attempts": Provide(provide_attempts, sync_to_thread=False)}
 
     @get(SIGN_IN, sync_to_thread=False)
-    def sign_in_page(self, next: FromQuery[str | None] = None) -> Template:
-        return Template("signin.html", context={"next": safe_next(next), "error": None, "name": ""})
+    def sign_in_page(self, next: FromQuery[str | None] = None, setup: FromQuery[str | None] = None) -> Template:
+        context = {"next": safe_next(next), "error": None, "name": "", "setup_done": setup == "done"}
+        return Template("signin.html", context=context)
 
     @post(SIGN_IN, sync_to_thread=True)
     def sign_in(
@@ -51,7 +52,7 @@ class SignInController(Controller):
         except HTTPException as exc:
             return Template(
                 "signin.html",
-                context={"next": target, "error": exc.detail, "name": name},
+                context={"next": target, "error": exc.detail, "name": name, "setup_done": False},
                 status_code=exc.status_code,
                 headers=exc.headers,
             )
@@ -75,7 +76,8 @@ class SignInController(Controller):
     @get("/setup", sync_to_thread=True)
     def setup_page(self, db_session: NamedDependency[Session]) -> Response:
         if not service.setup_pending(db_session):
-            return Redirect(SIGN_IN)
+            # Said on the sign-in page, not a silent bounce back to it.
+            return Redirect(f"{SIGN_IN}?setup=done")
         return Template("setup.html", context={"error": None, "name": "admin", "issued": None})
 
     @post("/setup", sync_to_thread=True)

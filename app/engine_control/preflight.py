@@ -15,7 +15,8 @@ from pathlib import Path
 from app.profiles.models import Profile
 from app.profiles.schemas import host_errors
 from app.profiles.service import inspect_model, settings_of
-from app.telemetry.gpus import GIB, GpuSnapshot, engine_gpu_indices
+from app.telemetry.gpus import GpuSnapshot, engine_gpu_indices
+from app.units import byte_size
 
 # A safetensors file starts with the header's length (8 bytes, little endian) and the JSON header itself; a length
 # beyond this is not a safetensors file (real headers are a few MB at most).
@@ -90,10 +91,6 @@ def meminfo_bytes(key: str, meminfo: Path = Path("/proc/meminfo")) -> int | None
     return None
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list[Check]:
     """Free VRAM on the engine's GPUs against what the profile claims (gpu_memory_utilization × total), and the
     weights against that claim. Both are facts the engine itself would trip over, not estimates."""
@@ -122,8 +119,8 @@ def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list
                 Check(
                     "vram",
                     CheckStatus.fail,
-                    f"{where}: {_gib(gpu.free_bytes)} free, but the profile claims gpu_memory_utilization "
-                    f"{profile.gpu_memory_utilization} × {_gib(gpu.total_bytes)} = {_gib(claim)}: "
+                    f"{where}: {byte_size(gpu.free_bytes)} free, but the profile claims gpu_memory_utilization "
+                    f"{profile.gpu_memory_utilization} × {byte_size(gpu.total_bytes)} = {byte_size(claim)}: "
                     f"free the GPU or lower gpu_memory_utilization{hint}",
                 )
             )
@@ -132,8 +129,8 @@ def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list
                 Check(
                     "vram",
                     CheckStatus.fail,
-                    f"{where}: the weights ({_gib(per_gpu_weights)} per GPU) do not fit in what the profile claims "
-                    f"({_gib(claim)}), leaving nothing for the KV cache",
+                    f"{where}: the weights ({byte_size(per_gpu_weights)} per GPU) do not fit in what the profile "
+                    f"claims ({byte_size(claim)}), leaving nothing for the KV cache",
                 )
             )
         else:
@@ -141,7 +138,8 @@ def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list
                 Check(
                     "vram",
                     CheckStatus.ok,
-                    f"{where}: {_gib(gpu.free_bytes)} free ≥ {_gib(claim)} claimed; weights {_gib(per_gpu_weights)}",
+                    f"{where}: {byte_size(gpu.free_bytes)} free ≥ {byte_size(claim)} claimed; "
+                    f"weights {byte_size(per_gpu_weights)}",
                 )
             )
     return checks
@@ -157,10 +155,12 @@ def wsl_memory_check(weights_bytes: int, meminfo: Path = Path("/proc/meminfo")) 
         return Check(
             "wsl_memory",
             CheckStatus.warn,
-            f"WSL2 memory limit {_gib(limit)} is below the weights' {_gib(weights_bytes)}: raise memory= in "
+            f"WSL2 memory limit {byte_size(limit)} is below the weights' {byte_size(weights_bytes)}: raise memory= in "
             f".wslconfig, then run `wsl --shutdown`",
         )
-    return Check("wsl_memory", CheckStatus.ok, f"WSL2 memory limit {_gib(limit)} ≥ weights {_gib(weights_bytes)}")
+    return Check(
+        "wsl_memory", CheckStatus.ok, f"WSL2 memory limit {byte_size(limit)} ≥ weights {byte_size(weights_bytes)}"
+    )
 
 
 def profile_checks(profile: Profile, models_dir: Path) -> tuple[list[Check], Fingerprint | None]:
@@ -187,7 +187,7 @@ def profile_checks(profile: Profile, models_dir: Path) -> tuple[list[Check], Fin
         Check(
             "weights",
             CheckStatus.ok,
-            f"{directory}: {fingerprint.files} files, {_gib(fingerprint.total_bytes)}, "
+            f"{directory}: {fingerprint.files} files, {byte_size(fingerprint.total_bytes)}, "
             f"fingerprint {fingerprint.sha256[:16]}…",
         )
     )

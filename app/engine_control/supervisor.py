@@ -34,12 +34,13 @@ from app.engine_control.driver import (
     engine_args,
 )
 from app.engine_control.models import EngineRun, RunState
-from app.engine_control.preflight import GIB, Check, failures, memory_checks, profile_checks
+from app.engine_control.preflight import Check, failures, memory_checks, profile_checks
 from app.errors import Conflict
 from app.profiles.models import Profile
 from app.settings import Settings
 from app.telemetry.gpus import Gpus, GpuSnapshot, engine_gpu_indices
 from app.telemetry.service import EngineTarget
+from app.units import byte_size
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +100,7 @@ def gpu_release(before: GpuSnapshot, gpus: Gpus, indices: list[int], wait_s: flo
             names = ", ".join(f"GPU {i}" for i in indices)
             return {"status": "released", "detail": f"{names}: memory in use is back to what it was before the start"}
         if time.monotonic() >= deadline:
-            detail = "; ".join(f"GPU {i}: {n / GIB:.1f} GiB more in use than before the start" for i, n in held.items())
+            detail = "; ".join(f"GPU {i}: {byte_size(n)} more in use than before the start" for i, n in held.items())
             return {"status": "held", "detail": detail}
         time.sleep(0.5)
 

@@ -337,7 +337,13 @@ class Promoter:
     def rollback_target(self, session: Session) -> Profile:
         route = route_row(session)
         if route is None or route.rollback_id is None:
-            raise Conflict("there is no rollback profile: the first promotion over another profile makes one")
+            production = session.get(Profile, route.production_id) if route and route.production_id else None
+            makes = (
+                f"the next promotion over {production.name!r} makes it the rollback"
+                if production
+                else "the first promotion over another profile makes one"
+            )
+            raise Conflict(f"there is no rollback profile: {makes}")
         return session.get(Profile, route.rollback_id)
 
     def rollback(self, actor: str, reason: str) -> int:

@@ -46,7 +46,8 @@ async def _answer(route: AgentRoute, request: Request, endpoint: str) -> Respons
         body = Body(request.stream(), int(declared) if declared and declared.isdigit() else None)
     answer = await route.serve(request.headers.get("authorization"), request.method, endpoint, body)
     headers = dict(answer.headers)
-    media_type = headers.pop("content-type")
+    # Litestar adds the charset to a text/* type itself; the engine's own would make it appear twice.
+    media_type = headers.pop("content-type").split(";")[0]
     if answer.stream is not None:
         return Stream(answer.stream, status_code=answer.status, headers=headers, media_type=media_type)
     return Response(answer.body, status_code=answer.status, headers=headers, media_type=media_type)

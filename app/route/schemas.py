@@ -35,7 +35,7 @@ class UsageRead(msgspec.Struct, kw_only=True):
     requests: int
     errors: int
     mean_s: float | None
-    # The upper bound of the latency bucket holding the 50th / 95th percentile; None past the last bound.
+    # An upper bound of the 50th / 95th percentile: its latency bucket's bound or the slowest request, the lower.
     p50_le_s: float | None
     p95_le_s: float | None
     max_s: float | None

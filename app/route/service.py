@@ -163,17 +163,24 @@ def _quantile(buckets: list[int], q: float) -> float | None:
     return None
 
 
+def _bound(bucket: float | None, slowest: float) -> float:
+    """A quantile is at most its histogram bucket's bound and at most the slowest request: the tighter says more
+    ("p95 ≤ 1 s" beside "max 0.67 s" says nothing)."""
+    return slowest if bucket is None else min(bucket, slowest)
+
+
 def _usage(name: str, rows: list[RouteUsage]) -> UsageRead:
     requests = sum(r.requests for r in rows)
+    slowest = round(max((r.latency_max_s for r in rows), default=0.0), 3)
     buckets = [sum(column) for column in zip(*(r.latency_buckets for r in rows), strict=True)]
     return UsageRead(
         name=name,
         requests=requests,
         errors=sum(r.errors for r in rows),
         mean_s=round(sum(r.latency_sum_s for r in rows) / requests, 3) if requests else None,
-        p50_le_s=_quantile(buckets, 0.5) if requests else None,
-        p95_le_s=_quantile(buckets, 0.95) if requests else None,
-        max_s=round(max(r.latency_max_s for r in rows), 3) if requests else None,
+        p50_le_s=_bound(_quantile(buckets, 0.5), slowest) if requests else None,
+        p95_le_s=_bound(_quantile(buckets, 0.95), slowest) if requests else None,
+        max_s=slowest,
         last_at=max(r.last_at for r in rows) if rows else None,
     )
 

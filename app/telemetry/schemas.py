@@ -61,11 +61,15 @@ class EngineTelemetryRead(msgspec.Struct, kw_only=True):
     prompt_tokens_total: int | None
     generation_tokens_total: int | None
     preemptions_total: int | None
+    prefix_cache_queries_tokens_total: int | None
+    prefix_cache_hits_tokens_total: int | None
+    # Hits / queries, null when the engine does not report both (or had no prompt yet).
+    prefix_cache_hit_rate: float | None
     error: str | None
 
     @classmethod
     def of(cls, reading: EngineReading) -> EngineTelemetryRead:
-        return cls(**asdict(reading), kv_usage=reading.kv_usage)
+        return cls(**asdict(reading), kv_usage=reading.kv_usage, prefix_cache_hit_rate=reading.prefix_cache_hit_rate)
 
 
 class HistoryPoint(msgspec.Struct):

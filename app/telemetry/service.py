@@ -47,6 +47,9 @@ class EngineReading:
     prompt_tokens_total: int | None
     generation_tokens_total: int | None
     preemptions_total: int | None
+    # Prompt tokens looked up in the prefix cache, and found there; None when the engine does not report them.
+    prefix_cache_queries_tokens_total: int | None
+    prefix_cache_hits_tokens_total: int | None
     # Tokens per second over the last interval; None for the first sample of a run.
     generation_tokens_per_s: float | None
     prompt_tokens_per_s: float | None
@@ -58,6 +61,14 @@ class EngineReading:
         if self.kv_used_tokens is None or not self.kv_capacity_tokens:
             return None
         return self.kv_used_tokens / self.kv_capacity_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Hits over queries since the engine started; None (n/a, never 0 %) unless it reports both and was asked."""
+        queries, hits = self.prefix_cache_queries_tokens_total, self.prefix_cache_hits_tokens_total
+        if queries is None or hits is None or queries == 0:
+            return None
+        return hits / queries
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,10 @@ class Telemetry:
             prompt_tokens_total=prompt,
             generation_tokens_total=generated,
             preemptions_total=_int(prometheus.total(samples, "flashgate_preemptions_total")),
+            prefix_cache_queries_tokens_total=_int(
+                prometheus.total(samples, "flashgate_prefix_cache_queries_tokens_total")
+            ),
+            prefix_cache_hits_tokens_total=_int(prometheus.total(samples, "flashgate_prefix_cache_hits_tokens_total")),
             generation_tokens_per_s=rate(generated, before.generation_tokens_total) if before else None,
             prompt_tokens_per_s=rate(prompt, before.prompt_tokens_total) if before else None,
             error=error,

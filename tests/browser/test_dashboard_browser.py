@@ -10,9 +10,10 @@ import threading
 import httpx
 from playwright.sync_api import expect
 
-from tests.browser.conftest import ARTIFACTS, BROWSER, sign_in
+from tests.browser.conftest import ADMIN_TOKEN, ARTIFACTS, BROWSER, sign_in
 
 pytestmark = BROWSER
+API = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def _requests(engine: str, stop: threading.Event) -> None:
@@ -30,6 +31,8 @@ def test_start_watch_and_stop_the_engine_from_the_dashboard(start_console, brows
     url = console.url
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
     page.set_default_timeout(30_000)
+    errors = []
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
     page.goto(f"{url}/")
     sign_in(page)
     expect(page).to_have_url(f"{url}/dashboard")
@@ -59,6 +62,22 @@ def test_start_watch_and_stop_the_engine_from_the_dashboard(start_console, brows
     assert info["config"]["context_length"] == 1024
     assert page.evaluate("window.flashgateNotReloaded") is True  # it appeared live, by htmx, without a reload
 
+    # The boot timeline in the operator's words: no "None", no GPU memory on a CPU host, and the weights' bar as
+    # long as the engine says the stage took, not the whole time since the launch.
+    timeline = page.locator("#engine-live .card", has=page.locator(".timeline"))
+    expect(timeline).to_contain_text("on the CPU (no GPU memory)")
+    assert "None" not in timeline.inner_text() and "0.0 GiB" not in timeline.inner_text()
+    stages = {
+        s["stage"]: s for s in httpx.get(f"{url}/api/engine", headers=API, timeout=5).json()["run"]["boot_stages"]
+    }
+    total = max(s["after_s"] for s in stages.values())
+    style = page.locator(".stage-weights .stage-bar span").get_attribute("style")
+    width = float(style.split("width:")[1].strip(" %;"))
+    assert abs(width - 100 * stages["weights"]["seconds"] / total) < 1.0, (style, stages)
+    # The engine's /metrics has no prefix-cache counters yet: n/a, never 0 %.
+    expect(page.locator("#prefix-cache")).to_contain_text("n/a")
+    expect(page.locator("#prefix-cache")).not_to_contain_text("0.0 %")
+
     stop = threading.Event()
     traffic = threading.Thread(target=_requests, args=(f"http://127.0.0.1:{console.engine_port}", stop))
     traffic.start()
@@ -69,6 +88,12 @@ def test_start_watch_and_stop_the_engine_from_the_dashboard(start_console, brows
     finally:
         stop.set()
         traffic.join(timeout=60)
+
+    # Polling while the engine runs raised no console error (the start form's select is gone then), and the
+    # console's log is not a line per /health poll.
+    assert errors == [], errors
+    log = (console.data_dir.parent / "console.log").read_text()
+    assert "/health" not in log and '"console_sign_in"' in log
 
     page.on("dialog", lambda dialog: dialog.accept())
     page.get_by_role("button", name="Stop").click()

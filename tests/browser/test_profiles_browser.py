@@ -24,6 +24,10 @@ def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
 
     page.get_by_role("link", name="cpu-demo", exact=True).click()
     expect(page.get_by_role("heading", name="cpu-demo")).to_be_visible()
+    # Qualify is off, and says what it needs.
+    expect(page.get_by_role("button", name="Qualify")).to_be_disabled()
+    expect(page.locator("#qualify-blocked")).to_contain_text("its checkpoint (config.json and *.safetensors) in ")
+    expect(page.locator("#qualify-blocked")).to_contain_text("/tiny")
     page.get_by_role("link", name="Make a child").click()
 
     # Settings are labelled in words, with their unit and what bounds them beside the field.

@@ -134,10 +134,27 @@ def test_watch_a_run_approve_it_with_waivers_and_roll_back(start_console, browse
     page.get_by_role("button", name=f"Roll back to {A}").click()
     expect(page.locator("#production-profile")).to_have_text(A, timeout=60_000)
     expect(page.locator("#rollback-profile")).to_have_text("none")
+    expect(page.locator("#rollback-none")).to_have_text(
+        f"The last rollback used it. The next promotion over {A} makes {A} the rollback."
+    )
     expect(page.locator(".switches tbody tr").first).to_contain_text("rollback")
     page.screenshot(path=str(ARTIFACTS / "route-rolled-back.png"), full_page=True)
     engine = api.get("/api/engine").json()
     assert engine["state"] == "ready" and engine["profile"] == A
+
+    # A stream through the route says its type once; the Agents page's latency quantiles are no looser than the
+    # slowest request.
+    key = api.post("/api/keys", json={"name": "drill"}).json()["key"]
+    chat = {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=chat | {"stream": True}, headers={"Authorization": f"Bearer {key}"}
+    ) as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"] == "text/event-stream; charset=utf-8"
+        stream.read()
+    page.goto(f"{url}/route/agents")
+    row = page.locator("#usage-key tr", has_text="drill")
+    cells = [float(row.locator("td").nth(i).inner_text().split()[0]) for i in (4, 5, 6)]
+    assert cells[0] <= cells[2] and cells[1] <= cells[2], cells
 
     # A run whose engine cannot start is aborted: it proposes nothing and offers no decision, and the API refuses
     # one with 409 "was aborted" rather than a 422 about the gates it never ran.

@@ -106,7 +106,10 @@ def test_pages_show_roles_qualification_and_the_route(client, operator_token, si
     sign_in("olga", operator_token("olga", "operator"))
     profile = client.get("/profiles/cpu-demo")
     assert 'id="qualification"' in profile.text and "Not qualified yet." in profile.text
-    assert '<button type="submit" class="primary" disabled>Qualify</button>' in profile.text  # weights missing
+    assert (
+        '<button type="submit" class="primary" disabled aria-describedby="qualify-blocked">Qualify</button>'
+        in profile.text
+    )  # weights missing
     assert "Roles and state" in client.get("/profiles").text
     route = client.get("/route")
     assert route.status_code == 200 and 'id="production-profile"' in route.text and "No switch yet." in route.text
