@@ -69,8 +69,8 @@ def roofline_bytes(model, batch_size: int, touched: list[int], context: int) -> 
         p.numel() * p.element_size() for n, p in params.items() if ".experts.w" not in n and n != "embed.weight"
     )
     dense += batch_size * model.args.hidden_size * params["embed.weight"].element_size()  # the embedding rows read
-    expert = sum(params[f"layers.0.ffn.experts.{w}"][0].numel() for w in ("w1", "w2", "w3"))
-    experts = sum(touched) * expert * params["layers.0.ffn.experts.w1"].element_size()
+    expert = sum(params[f"layers.0.ffn.experts.{w}.weight"][0].numel() for w in ("w1", "w2", "w3"))
+    experts = sum(touched) * expert * params["layers.0.ffn.experts.w1.weight"].element_size()
     kv = batch_size * kv_bytes_per_request(model, context)
     return {"dense_weights": dense, "routed_experts": experts, "kv_rows": kv, "total": dense + experts + kv}
 
@@ -99,7 +99,6 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     model = load_model(write_model_dir(Path(tempfile.mkdtemp())), torch.bfloat16, DEV, load_format="dummy")
-    model.fuse_projections()  # as the serving runner does
     layout = KVLayout.for_model(model.args, 256, "fp8_e4m3")
     alone = Standalone.allocate(model, max(BATCHES) * layout.pages_for(CONTEXT + 1) + 1, max(BATCHES) + 1, "fp8_e4m3")
     cache = alone.kv_cache

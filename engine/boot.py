@@ -149,7 +149,6 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
 
     started = time.monotonic()
     model = load_model(config.model, dtype, device, config.quant_sim, load_format=config.load_format)
-    model.fuse_projections()
     if cuda:
         weights_bytes = torch.cuda.memory_allocated(device)
     else:

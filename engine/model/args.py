@@ -57,6 +57,11 @@ class ModelArgs:
     bos_token_id: int
     eos_token_id: int
 
+    def block_name(self, layer_id: int) -> str:
+        """The checkpoint name of a block: the main layers, then the MTP layers."""
+        n = self.num_hidden_layers
+        return f"layers.{layer_id}" if layer_id < n else f"mtp.{layer_id - n}"
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelArgs:
         path = Path(model_dir) / "config.json"

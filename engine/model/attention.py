@@ -29,8 +29,10 @@ from engine.kernels.sparse_attention import (
 )
 from engine.kernels.topk import topk_slots, topk_slots_triton
 from engine.model.args import ModelArgs
-from engine.model.layers import FusedLinear, RMSNorm, Rotary
+from engine.model.layers import RMSNorm, Rotary
+from engine.model.linear import GroupedColumnLinear, Layout, ProjectionGroup, RowParallelLinear
 from engine.model.state import ForwardBatch
+from engine.model.weight_formats import Formats, Unquantized
 
 # Elements of the largest tensor the prefill path makes per block of queries (256 MiB in fp32): a chunk's
 # attention memory is bounded by it, not by the chunk's length times the context's.
@@ -39,17 +41,16 @@ PREFILL_BUDGET = 2**26
 
 class Compressor(nn.Module):
     """Gated softmax pooling of every `ratio` tokens into one row (§5.2). Ratio 4 pools overlapping windows of 8:
-    the first half of each token's projection feeds the next window, the second half its own."""
+    the first half of each token's projection feeds the next window, the second half its own. Its projections wkv
+    and wgate (`width` features each) are members of the attention's fp32 projection group."""
 
     def __init__(self, args: ModelArgs, ratio: int, dim: int, rotary: Rotary, for_indexer: bool, quant_sim: bool):
         super().__init__()
         self.ratio, self.dim, self.overlap = ratio, dim, ratio == 4
         self.for_indexer, self.quant_sim = for_indexer, quant_sim
         self.rotary = rotary
-        coff = 2 if self.overlap else 1
-        self.ape = nn.Parameter(torch.zeros(ratio, coff * dim, dtype=torch.float32))
-        self.wkv = nn.Linear(args.hidden_size, coff * dim, bias=False, dtype=torch.float32)
-        self.wgate = nn.Linear(args.hidden_size, coff * dim, bias=False, dtype=torch.float32)
+        self.width = (2 if self.overlap else 1) * dim
+        self.ape = nn.Parameter(torch.zeros(ratio, self.width, dtype=torch.float32))
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
     def compress(self, kv, score, positions: torch.Tensor, state, first_row: int, dtype: torch.dtype):
@@ -66,15 +67,14 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of c4 layers (§5.3): score(t, j) = sum_h w_h ReLU(q_h . k_j), keep the top k."""
+    """The lightning indexer of c4 layers (§5.3): score(t, j) = sum_h w_h ReLU(q_h . k_j), keep the top k. Its
+    projections wq_b (of the q LoRA) and weights_proj (of x) are members of the attention's projection groups."""
 
     def __init__(self, args: ModelArgs, rotary: Rotary, quant_sim: bool):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.quant_sim = quant_sim
         self.rotary = rotary
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(args, 4, self.head_dim, rotary, for_indexer=True, quant_sim=quant_sim)
 
     def queries(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor):
@@ -100,8 +100,12 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, quant_sim: bool):
+    """`formats`, `layout`: the model's (engine/model/deepseek_v4.py); by default plain weights on one GPU."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, quant_sim: bool, formats: Formats | None = None,
+                 layout: Layout | None = None):  # fmt: skip
         super().__init__()
+        formats, layout = formats or Formats(), layout or Layout()
         self.layer_id = layer_id
         self.n_heads, self.head_dim, self.window = args.num_attention_heads, args.head_dim, args.sliding_window
         self.n_groups, self.o_lora_rank, self.eps = args.o_groups, args.o_lora_rank, args.rms_norm_eps
@@ -111,15 +115,8 @@ class Attention(nn.Module):
             self.rotary = Rotary(args.qk_rope_head_dim, args.compress_rope_theta, args.yarn)
         else:
             self.rotary = Rotary(args.qk_rope_head_dim, args.rope_theta, None)
-        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, self.eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        self.wo_a = nn.Linear(
-            self.n_heads * self.head_dim // self.n_groups, self.n_groups * self.o_lora_rank, bias=False
-        )
-        self.wo_b = nn.Linear(self.n_groups * self.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.compressor = (
             Compressor(args, self.ratio, self.head_dim, self.rotary, for_indexer=False, quant_sim=quant_sim)
@@ -128,44 +125,39 @@ class Attention(nn.Module):
         )
         self.indexer = Indexer(args, self.rotary, quant_sim) if self.ratio == 4 else None
         self.kv: LayerKV | None = None  # this layer's share of the paged cache, bound at boot
-        # Projections that read the same input, each group one GEMM over one weight that the members' parameters
-        # are views of (`fuse_projections`): of x, wq_a, wkv and the indexer's weights_proj; of the normed q LoRA,
-        # wq_b and the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
-        self._fused: dict[str, FusedLinear] = {}
-
-    def _projection_groups(self) -> dict[str, list[nn.Linear]]:
+        # Projections that read the same input, as few GEMMs as their formats allow: of x, wq_a, wkv and the
+        # indexer's weights_proj (shared by all heads: replicated); of the normed q LoRA, wq_b (split by heads) and
+        # the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
+        dim, shard, p = args.hidden_size, layout.attention, f"{args.block_name(layer_id)}.attn"
         index = self.indexer
-        groups = {"x": [self.wq_a, self.wkv, *([index.weights_proj] if index is not None else [])],
-                  "qr": [self.wq_b, *([index.wq_b] if index is not None else [])]}  # fmt: skip
-        compressors = [c for c in (self.compressor, index and index.compressor) if c is not None]
-        if compressors:
-            groups["x_fp32"] = [linear for c in compressors for linear in (c.wkv, c.wgate)]
-        return groups
-
-    def fuse_projections(self) -> None:
-        """Concatenate the weights of each projection group into one tensor and make the members' parameters views
-        of it: no weight memory is duplicated and the parameters keep their names. Call once after the weights are
-        loaded and cast; `forward` fuses on first use too, and again whenever a parameter stopped being a view of
-        its group (a cast, a move to another device), so the layer always runs the fused GEMMs."""
-        self._fused = {name: FusedLinear(group) for name, group in self._projection_groups().items()}
-
-    def _projections(self) -> dict[str, FusedLinear]:
-        if not self._fused or not all(f.intact() for f in self._fused.values()):
-            self.fuse_projections()
-        return self._fused
+        x_members = [(f"{p}.wq_a", args.q_lora_rank, False), (f"{p}.wkv", self.head_dim, False)]
+        qr_members = [(f"{p}.wq_b", self.n_heads * self.head_dim, True)]
+        if index is not None:
+            x_members.append((f"{p}.indexer.weights_proj", index.n_heads, False))
+            qr_members.append((f"{p}.indexer.wq_b", index.n_heads * index.head_dim, False))
+        self.x_proj = ProjectionGroup(dim, [(n, r, formats.linear(n), s) for n, r, s in x_members], shard)
+        self.qr_proj = ProjectionGroup(args.q_lora_rank, [(n, r, formats.linear(n), s) for n, r, s in qr_members],
+                                       shard)  # fmt: skip
+        fp32 = Unquantized(torch.float32)
+        compressors = [(f"{p}.compressor", self.compressor), (f"{p}.indexer.compressor", index and index.compressor)]
+        fp32_members = [(f"{name}.{w}", c.width, fp32, False) for name, c in compressors if c for w in ("wkv", "wgate")]
+        self.x_fp32_proj = ProjectionGroup(dim, fp32_members, shard) if fp32_members else None
+        self.wo_a = GroupedColumnLinear(self.n_groups, self.n_heads * self.head_dim // self.n_groups,
+                                        self.o_lora_rank, f"{p}.wo_a", formats.linear(f"{p}.wo_a"), shard)  # fmt: skip
+        self.wo_b = RowParallelLinear(self.n_groups * self.o_lora_rank, [(f"{p}.wo_b", dim)],
+                                      formats.linear(f"{p}.wo_b"), shard)  # fmt: skip
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         pos = batch.positions
-        fused = self._projections()
-        q_a, kv_x, *index_w = fused["x"](x)
+        q_a, kv_x, *index_w = self.x_proj(x)
         qr = self.q_norm(q_a)
-        q_b, *index_q = fused["qr"](qr)
+        q_b, *index_q = self.qr_proj(qr)
         # per-head RMS norm (weightless), then RoPE on the last rope_dim channels
         q = rms_rope(q_b.view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
         proj = {}
         if self.compressor is not None:  # fp32 projections, as the reference runs them: (kv, gate score) pairs
             # (a float64 model's product is exact before the fp32 rounding, so it does not depend on chunking)
-            comp = [c.float() for c in fused["x_fp32"](x if x.dtype == torch.float64 else x.float())]
+            comp = [c.float() for c in self.x_fp32_proj(x if x.dtype == torch.float64 else x.float())]
             proj["comp"] = (comp[0], comp[1])
             if self.indexer is not None:
                 proj["index"] = (comp[2], comp[3])
@@ -185,8 +177,7 @@ class Attention(nn.Module):
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
-        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
-        return self.wo_b(torch.einsum("ngd,grd->ngr", o, wo_a).flatten(1))
+        return self.wo_b(self.wo_a(o).flatten(1))
 
     def _prefill(self, q, kv, proj, positions, seq, batch: ForwardBatch, i: int) -> torch.Tensor:
         """Any number of one request's tokens: their rows go into the cache, then each query attends to its own keys

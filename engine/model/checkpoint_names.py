@@ -7,8 +7,9 @@
   `lm_head.weight`, `model.embed_tokens.weight`, and the compressor / indexer names of `HF_SAVED_LAYER_NAMES`
   (what transformers 5.23 really writes: its reverse mapping is partial).
 
-Every source name is first canonicalised to the official one. The engine's own names are the official ones with
-hyper-connection parameters grouped (`hc_attn.fn` for `hc_attn_fn`) and routed experts stacked (`ffn.experts.w1`).
+Every source name is first canonicalised to the official one. Layers that own their weights know their members'
+official names (engine/model/weights.py); the model's other parameters have the official names with the
+hyper-connection parameters grouped (`hc_attn.fn` for `hc_attn_fn`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def internal_to_official(name: str) -> str:
 
 
 def routed_expert_part(name: str) -> tuple[str, str] | None:
-    """`layers.3.ffn.experts.w1` -> (`layers.3.ffn`, `w1`); `....experts.5.w1.weight` -> (`...ffn`, `5.w1.weight`);
-    None for any other tensor (the shared expert included)."""
+    """`layers.3.ffn.experts.5.w1.weight` -> (`layers.3.ffn`, `5.w1.weight`); None for any other tensor (the shared
+    expert included)."""
     prefix, sep, part = name.rpartition(".experts.")
     return (prefix, part) if sep else None

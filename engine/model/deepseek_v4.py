@@ -12,25 +12,27 @@ from engine.cache.kv_cache import ModelKVCache
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.layers import RMSNorm
+from engine.model.linear import Layout, ReplicatedLinear
 from engine.model.mhc import HcMix, HyperConnection, HyperHead
 from engine.model.moe import MoE
 from engine.model.state import ForwardBatch
+from engine.model.weight_formats import Formats
 
 # Parameters the reference keeps in fp32 whatever the model dtype: mixing weights, sinks, position biases,
-# routing biases, norm weights, and the compressors' projections (pooled in fp32).
-FP32_PARAMETERS = re.compile(r"(hc_\w+\.|hc_head\.|attn_sink|\.ape$|gate\.bias|norm\.weight|compressor\.w(kv|gate))")
+# routing biases, norm weights. (The compressors' projections are pinned to fp32 by their weight format.)
+FP32_PARAMETERS = re.compile(r"(hc_\w+\.|hc_head\.|attn_sink|\.ape$|gate\.bias|norm\.weight)")
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int, quant_sim: bool):
+    def __init__(self, args: ModelArgs, layer_id: int, quant_sim: bool, formats: Formats, layout: Layout):
         super().__init__()
         hc_args = (args.hc_mult, args.hidden_size, args.hc_sinkhorn_iters, args.hc_eps, args.rms_norm_eps)
         self.hc_attn = HyperConnection(*hc_args)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, layer_id, quant_sim)
+        self.attn = Attention(args, layer_id, quant_sim, formats, layout)
         self.hc_ffn = HyperConnection(*hc_args)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.ffn = MoE(args, layer_id)
+        self.ffn = MoE(args, layer_id, formats, layout)
 
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, next_fn: torch.Tensor, mix: HcMix | None = None
@@ -48,13 +50,13 @@ class Block(nn.Module):
 class MTPLayer(Block):
     """Multi-token prediction (§7): from the main model's streams at t and the token at t+1, predict t+2."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, quant_sim: bool):
-        super().__init__(args, layer_id, quant_sim)
-        dim = args.hidden_size
+    def __init__(self, args: ModelArgs, layer_id: int, quant_sim: bool, formats: Formats, layout: Layout):
+        super().__init__(args, layer_id, quant_sim, formats, layout)
+        dim, prefix = args.hidden_size, args.block_name(layer_id)
         self.enorm = RMSNorm(dim, args.rms_norm_eps)
         self.hnorm = RMSNorm(dim, args.rms_norm_eps)
-        self.e_proj = nn.Linear(dim, dim, bias=False)
-        self.h_proj = nn.Linear(dim, dim, bias=False)
+        self.e_proj, self.h_proj = (ReplicatedLinear(dim, [(name, dim)], formats.linear(name))
+                                    for name in (f"{prefix}.e_proj", f"{prefix}.h_proj"))  # fmt: skip
         self.hc_head = HyperHead(args.hc_mult, dim, args.hc_eps, args.rms_norm_eps)
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
@@ -64,32 +66,32 @@ class MTPLayer(Block):
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, args: ModelArgs, quant_sim: bool = True):
+    """`formats`: how the weight-owning layers store their weights (default: plain, in the model's dtype);
+    `layout`: how they are split over ranks (default: one GPU holds everything)."""
+
+    def __init__(self, args: ModelArgs, quant_sim: bool = True, formats: Formats | None = None,
+                 layout: Layout | None = None):  # fmt: skip
         super().__init__()
+        formats, layout = formats or Formats(), layout or Layout()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i, quant_sim) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(args, i, quant_sim, formats, layout) for i in range(args.num_hidden_layers))
         self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head = ReplicatedLinear(args.hidden_size, [("head", args.vocab_size)], formats.linear("head"))
         n = args.num_hidden_layers
-        self.mtp = nn.ModuleList(MTPLayer(args, n + j, quant_sim) for j in range(args.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(
+            MTPLayer(args, n + j, quant_sim, formats, layout) for j in range(args.num_nextn_predict_layers)
+        )
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4:
-        """Cast to `dtype`, leaving the parameters the reference keeps in fp32."""
+        """Cast to `dtype`, leaving the parameters the reference keeps in fp32 and those whose weight format keeps
+        its own dtype."""
+        kept = {id(p) for m in self.modules() if hasattr(m, "fmt") and not m.fmt.follows_model_dtype
+                for p in m.parameters()}  # fmt: skip
         for name, param in self.named_parameters():
-            if not FP32_PARAMETERS.search(name):
+            if id(param) not in kept and not FP32_PARAMETERS.search(name):
                 param.data = param.data.to(dtype)
-        return self
-
-    def fuse_projections(self) -> DeepseekV4:
-        """Once the weights are final (loaded, cast, on their device), for serving: projections that read the same
-        input become one GEMM over one weight their parameters are views of (each attention layer's groups, each
-        shared expert's gate and up). Names and values are unchanged and no weight memory is duplicated, but a
-        state dict of views cannot be saved as safetensors, so checkpoint tools do not call it."""
-        for block in (*self.layers, *self.mtp):
-            block.attn.fuse_projections()
-            block.ffn.shared_experts.fuse_projections()
         return self
 
     @property

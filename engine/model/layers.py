@@ -1,12 +1,10 @@
-"""Small building blocks: RMSNorm, DeepSeek-V4's interleaved partial RoPE with YaRN (reference §5.1), and fused
-projections (linears that read the same input as one GEMM)."""
+"""Small building blocks: RMSNorm and DeepSeek-V4's interleaved partial RoPE with YaRN (reference §5.1)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.norm import rms_norm
@@ -59,33 +57,3 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D] with positions [N]; returns a new tensor, rope channels rotated (or un-rotated)."""
         return rope(x, positions, self.inv_freq, inverse)
-
-
-class FusedLinear:
-    """Bias-free linears that read the same input, as one GEMM: their weights concatenated along the output
-    dimension into one tensor, each member's parameter a view of its rows. Calling it returns each member's output,
-    column slices of the one product."""
-
-    def __init__(self, linears: list[nn.Linear]):
-        self.linears = linears
-        self.sizes = [linear.out_features for linear in linears]
-        with torch.no_grad():
-            self.weight = torch.cat([linear.weight.detach() for linear in linears])
-            offset = 0
-            for linear, size in zip(linears, self.sizes, strict=True):
-                linear.weight.data = self.weight[offset : offset + size]
-                offset += size
-
-    def intact(self) -> bool:
-        """Whether every member's parameter is still a view of the fused weight (a cast or a move replaces it)."""
-        base, step, offset = self.weight.data_ptr(), self.weight.stride(0) * self.weight.element_size(), 0
-        for linear, size in zip(self.linears, self.sizes, strict=True):
-            w = linear.weight
-            if w.dtype != self.weight.dtype or w.device != self.weight.device or w.data_ptr() != base + offset * step:
-                return False
-            offset += size
-        return True
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        # A float64 model (tests) runs its fp32 groups in float64 too, so its results do not depend on chunking.
-        return list(F.linear(x, self.weight.to(x.dtype)).split(self.sizes, dim=-1))

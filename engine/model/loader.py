@@ -1,5 +1,6 @@
 """Load a DeepSeek-V4 checkpoint (Hugging Face or official layout, bf16/fp32 or FP8 + packed FP4) into the
-engine's model, dequantising on load. Errors name the tensor; progress is reported as it goes."""
+engine's model: the checkpoint's names map to the layers' weight entries (engine/model/weights.py), whose weight
+formats take the tensors as stored. Errors name the tensor; progress is reported as it goes."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from engine.kernels.quant import dequantize_fp4_weight, dequantize_fp8_weight
 from engine.model.args import ModelArgs
-from engine.model.checkpoint_names import canonical_name, internal_to_official, official_to_hf, routed_expert_part
+from engine.model.checkpoint_names import canonical_name, official_to_hf
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.random_init import randomize
+from engine.model.weights import WeightEntry, plain_tensors, weight_entries
 
 log = structlog.get_logger(__name__)
 
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32)
 Progress = Callable[[int, int], None]
+# Hugging Face stacks the routed experts of a layer ([E, 2I, D] gate and up, [E, D, I] down); the reader presents
+# them per expert under the official names.
+STACKED_EXPERTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
 
 class CheckpointError(ValueError):
@@ -30,7 +34,7 @@ class CheckpointError(ValueError):
 
 
 class _Shards:
-    """Where each tensor lives, by official name; tensors are read lazily, one at a time."""
+    """Where each tensor lives, by official name; tensors are read lazily, one at a time, as stored."""
 
     def __init__(self, model_dir: Path):
         files = sorted(model_dir.glob("*.safetensors"))
@@ -38,38 +42,48 @@ class _Shards:
             raise CheckpointError(f"no *.safetensors files in {model_dir}")
         self.handles = [safe_open(str(f), framework="pt") for f in files]
         self.where: dict[str, tuple[int, str]] = {}
+        # official per-expert name -> (stacked tensor's official name, expert, which of its parts, parts)
+        self.stacked: dict[str, tuple[str, int, int, int]] = {}
         for i, handle in enumerate(self.handles):
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                self.where[canonical_name(key)] = (i, key)
+                name = canonical_name(key)
+                self.where[name] = (i, key)
+                prefix, _, leaf = name.rpartition(".experts.")
+                if leaf in STACKED_EXPERTS:
+                    parts = STACKED_EXPERTS[leaf]
+                    for e in range(handle.get_slice(key).get_shape()[0]):
+                        for j, w in enumerate(parts):
+                            self.stacked[f"{prefix}.experts.{e}.{w}.weight"] = (name, e, j, len(parts))
         self.files = files
 
     def __contains__(self, name: str) -> bool:
-        return name in self.where
+        return name in self.where or name in self.stacked
 
     def describe(self, name: str) -> str:
+        if name in self.stacked:
+            stacked, e, *_ = self.stacked[name]
+            return f"expert {e} of {self.describe(stacked)}"
         i, key = self.where[name]
         return f"{key} in {self.files[i].name}"
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor `name` (official), dequantised to fp32 when stored as FP8 or packed FP4."""
+        """The tensor `name` (official) as stored."""
+        if name in self.stacked:
+            stacked, e, j, parts = self.stacked[name]
+            i, key = self.where[stacked]
+            whole = self.handles[i].get_slice(key)[e]
+            return whole.chunk(parts, dim=0)[j]
         if name not in self.where:
             raise CheckpointError(f"checkpoint lacks tensor {name} (Hugging Face name {official_to_hf(name)})")
         i, key = self.where[name]
-        tensor = self.handles[i].get_tensor(key)
-        if tensor.dtype in PLAIN_DTYPES or tensor.dtype in INDEX_DTYPES:
-            return tensor
-        scale_name = name.removesuffix("weight") + "scale"
-        if tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
-            raise CheckpointError(f"tensor {self.describe(name)} has unsupported dtype {tensor.dtype}")
-        if scale_name not in self.where:
-            raise CheckpointError(f"quantised tensor {self.describe(name)} has no scale tensor {scale_name}")
-        scale = self.handles[self.where[scale_name][0]].get_tensor(self.where[scale_name][1])
-        try:
-            if tensor.dtype == torch.float8_e4m3fn:
-                return dequantize_fp8_weight(tensor, scale)
-            return dequantize_fp4_weight(tensor, scale)
-        except ValueError as exc:
-            raise CheckpointError(f"tensor {self.describe(name)}: {exc}") from exc
+        return self.handles[i].get_tensor(key)
+
+    def member(self, prefix: str) -> dict[str, torch.Tensor]:
+        """A layer member's stored tensors by suffix: `weight` and, when quantized, its `scale`."""
+        stored = {"weight": self.read(f"{prefix}.weight")}
+        if f"{prefix}.scale" in self:
+            stored["scale"] = self.read(f"{prefix}.scale")
+        return stored
 
 
 def load_model(
@@ -80,7 +94,9 @@ def load_model(
     progress: Progress | None = None,
     load_format: str = "auto",
 ) -> DeepseekV4:
-    """`load_format` "dummy": the directory's config.json with seeded random weights made on `device`."""
+    """`load_format` "dummy": the directory's config.json with seeded random weights made on `device`. Otherwise
+    each layer's members are handed to the layer's weight format as stored, and every other tensor is copied into
+    its parameter (cast to the parameter's dtype)."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_model_dir(model_dir)
     if load_format == "dummy":
@@ -104,18 +120,11 @@ def load_model(
         )
     with torch.device(device):
         model = DeepseekV4(args, quant_sim=quant_sim).cast(dtype)
-    targets = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n.endswith("tid2eid")}
-    started, total = time.monotonic(), len(targets)
+    entries, plain = list(weight_entries(model)), plain_tensors(model)
+    started, total = time.monotonic(), len(entries) + len(plain)
     with torch.no_grad():
-        for done, (name, target) in enumerate(targets.items(), start=1):
-            tensor = _read_internal(shards, name, args)
-            if tuple(tensor.shape) != tuple(target.shape):
-                official = internal_to_official(name)
-                where = shards.describe(official) if official in shards else official
-                raise CheckpointError(
-                    f"tensor {where}: expected shape {tuple(target.shape)}, found {tuple(tensor.shape)}"
-                )
-            target.copy_(tensor.to(target.dtype))
+        for done, load in enumerate(_loads(shards, entries, plain), start=1):
+            load()
             if progress is not None:
                 progress(done, total)
             if done * 10 // total != (done - 1) * 10 // total:  # every tenth of the tensors
@@ -124,18 +133,27 @@ def load_model(
     return model.eval()
 
 
-def _read_internal(shards: _Shards, name: str, args: ModelArgs) -> torch.Tensor:
-    """One engine parameter from the checkpoint: routed experts are stacked from per-expert tensors (official)
-    or split from the fused gate_up projection (Hugging Face)."""
-    official = internal_to_official(name)
-    expert = routed_expert_part(official)
-    if expert is None:
-        return shards.read(official)
-    prefix, part = expert
-    if f"{prefix}.experts.down_proj" in shards:
-        if part == "w2":
-            return shards.read(f"{prefix}.experts.down_proj")
-        gate_up = shards.read(f"{prefix}.experts.gate_up_proj")
-        inter = args.moe_intermediate_size
-        return gate_up[:, :inter] if part == "w1" else gate_up[:, inter:]
-    return torch.stack([shards.read(f"{prefix}.experts.{e}.{part}.weight") for e in range(args.n_routed_experts)])
+def _loads(shards: _Shards, entries: list[WeightEntry], plain: dict[str, torch.Tensor]):
+    """A load for each layer member and plain tensor; a load's error names the stored tensor."""
+
+    def member(entry: WeightEntry):
+        stored = shards.member(entry.name)
+        try:
+            entry.load(stored)
+        except ValueError as exc:
+            raise CheckpointError(f"tensor {shards.describe(entry.name + '.weight')}: {exc}") from exc
+
+    def copy(name: str, target: torch.Tensor):
+        tensor = shards.read(name)
+        if tensor.dtype not in PLAIN_DTYPES + INDEX_DTYPES:
+            raise CheckpointError(f"tensor {shards.describe(name)} has unsupported dtype {tensor.dtype}")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"tensor {shards.describe(name)}: expected shape {tuple(target.shape)}, found {tuple(tensor.shape)}"
+            )
+        target.copy_(tensor.to(target.dtype))
+
+    for entry in entries:
+        yield lambda entry=entry: member(entry)
+    for name, target in plain.items():
+        yield lambda name=name, target=target: copy(name, target)

@@ -8,11 +8,16 @@ a call reads into `MoE.touched` when the serving runner points it at a counter (
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+
 import torch
 from torch import nn
 
-from engine.kernels.moe import gate_route, moe_combine, moe_expert_pairs, shared_swiglu
-from engine.model.layers import FusedLinear
+from engine.kernels.moe import gate_route, moe_combine, shared_swiglu
+from engine.model.linear import Layout, ProjectionGroup, RowParallelLinear, Shard
+from engine.model.weight_formats import Formats, Region, WeightFormat
+from engine.model.weights import WeightEntry
 
 
 class Gate(nn.Module):
@@ -32,54 +37,75 @@ class Gate(nn.Module):
         return gate_route(x, self.weight, self.bias, self.tid2eid, input_ids, self.top_k, self.route_scale)
 
 
-class Experts(nn.Module):
-    """All routed experts' weights, stacked: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I]."""
+class ExpertWeights(nn.Module):
+    """One projection of a range of experts, stacked, in the experts' format: [experts, rows, cols] weights."""
 
-    def __init__(self, n_experts: int, dim: int, inter: int, limit: float):
+    def __init__(self, experts: int, rows: int, cols: int, fmt: WeightFormat):
         super().__init__()
-        self.limit = limit
-        self.w1 = nn.Parameter(torch.zeros(n_experts, inter, dim))
-        self.w3 = nn.Parameter(torch.zeros(n_experts, inter, dim))
-        self.w2 = nn.Parameter(torch.zeros(n_experts, dim, inter))
+        for name, param in fmt.create(rows, cols, experts=experts).items():
+            self.register_parameter(name, param)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_parameters())
+
+    def expert(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: param[i] for name, param in self.named_parameters()}
+
+
+class Experts(nn.Module):
+    """The routed experts [first, first + count) of `n_experts` (all of them on one GPU; a range per rank when they
+    are split): w1 (gate) and w3 (up) [count, I, D], w2 (down) [count, D, I]; checkpoint members
+    `{prefix}.{e}.w1` ... with e the global expert id."""
+
+    def __init__(self, n_experts: int, dim: int, inter: int, limit: float, prefix: str, fmt: WeightFormat,
+                 shard: Shard):  # fmt: skip
+        super().__init__()
+        self.limit, self.prefix, self.fmt = limit, prefix, fmt
+        self.first, self.count = shard.part(n_experts, f"{prefix} experts")
+        self.shapes = {"w1": (inter, dim), "w3": (inter, dim), "w2": (dim, inter)}
+        self.w1, self.w3, self.w2 = (ExpertWeights(self.count, *self.shapes[w], fmt) for w in ("w1", "w3", "w2"))
+
+    def weight_entries(self) -> Iterator[WeightEntry]:
+        for i in range(self.count):
+            for w, (rows, cols) in self.shapes.items():
+                params = getattr(self, w).expert(i)
+                load = partial(self.fmt.load, params, full=(rows, cols), src=Region.whole(rows, cols), dst_row=0)
+                yield WeightEntry(f"{self.prefix}.{self.first + i}.{w}", lambda stored, load=load: load(stored=stored),
+                                  partial(self.fmt.stored, params, 0, rows))  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, touched: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[N * k, D] in x's dtype, one row a (token, pick) pair: the grouped GEMM on CUDA, the reference's loop over
         picked experts elsewhere; the number of distinct experts picked is added to `touched` when given."""
-        return moe_expert_pairs(x, weights, ids, self.w1, self.w3, self.w2, self.limit, touched)
+        return self.fmt.expert_pairs(self.w1.params(), self.w3.params(), self.w2.params(), x, weights, ids,
+                                     self.limit, touched)  # fmt: skip
 
 
 class SharedExpert(nn.Module):
     """Every token, weight 1: dense matmuls (cuBLAS streams the matrices at full bandwidth). It stays out of the
     grouped GEMM because its weights are separate tensors and, in V4-Flash checkpoints, in another format (FP8) than
-    the routed experts (FP4). w1 and w3 run as one GEMM over a [2I, D] weight their parameters are views of."""
+    the routed experts (FP4). w1 and w3 are one merged GEMM (split by output features), w2 row-parallel."""
 
-    def __init__(self, dim: int, inter: int, limit: float):
+    def __init__(self, dim: int, inter: int, limit: float, prefix: str, formats: Formats, shard: Shard):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.gate_up: FusedLinear | None = None  # not a submodule: its members are w1 and w3
-
-    def fuse_projections(self) -> None:
-        """Makes w1 and w3 views of one [2I, D] tensor, names and values unchanged, no memory duplicated. Call once
-        the weights are final; forward fuses on first use too, and again whenever a parameter stopped being a view
-        (a cast, a move to another device)."""
-        self.gate_up = FusedLinear([self.w1, self.w3])
+        self.gate_up = ProjectionGroup(dim, [(f"{prefix}.{w}", inter, formats.linear(f"{prefix}.{w}"), True)
+                                             for w in ("w1", "w3")], shard)  # fmt: skip
+        self.w2 = RowParallelLinear(inter, [(f"{prefix}.w2", dim)], formats.linear(f"{prefix}.w2"), shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, D] in x's dtype."""
-        if self.gate_up is None or not self.gate_up.intact():
-            self.fuse_projections()
         gate, up = self.gate_up(x)
         return self.w2(shared_swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
-    def __init__(self, args, layer_id: int):
+    """`formats`, `layout`: the model's (engine/model/deepseek_v4.py); by default plain weights on one GPU."""
+
+    def __init__(self, args, layer_id: int, formats: Formats | None = None, layout: Layout | None = None):
         super().__init__()
+        formats, layout, prefix = formats or Formats(), layout or Layout(), f"{args.block_name(layer_id)}.ffn"
         dim, inter = args.hidden_size, args.moe_intermediate_size
         self.gate = Gate(
             dim,
@@ -89,8 +115,10 @@ class MoE(nn.Module):
             args.vocab_size,
             hashed=layer_id < args.num_hash_layers,
         )
-        self.experts = Experts(args.n_routed_experts, dim, inter, args.swiglu_limit)
-        self.shared_experts = SharedExpert(dim, inter, args.swiglu_limit)
+        self.experts = Experts(args.n_routed_experts, dim, inter, args.swiglu_limit, f"{prefix}.experts",
+                               formats.experts, layout.experts)  # fmt: skip
+        self.shared_experts = SharedExpert(dim, inter, args.swiglu_limit, f"{prefix}.shared_experts", formats,
+                                           layout.attention)  # fmt: skip
         # A one-element int64 counter on the device that each call adds its distinct routed experts to (a CUDA graph
         # keeps the address it was captured with), or None. Not a buffer: the runner owns the counters.
         self.touched: torch.Tensor | None = None

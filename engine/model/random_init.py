@@ -13,21 +13,23 @@ import math
 import torch
 
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.weights import checkpoint_tensors
 
 
 @torch.no_grad()
 def randomize(model: DeepseekV4, seed: int) -> DeepseekV4:
-    """Fill every parameter and the hash-routing tables in place, on the model's device."""
+    """Fill every tensor in place, on the model's device, in checkpoint order and by checkpoint name: the values
+    do not depend on how the layers merge their members."""
     device = model.embed.weight.device
     gen = torch.Generator(device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        std, mean = _initial_std_mean(name, param)
-        param.copy_(torch.randn(param.shape, generator=gen, device=device, dtype=param.dtype).mul_(std).add_(mean))
     experts = model.args.n_routed_experts
-    for name, table in model.named_buffers():
+    for name, tensor in checkpoint_tensors(model).items():
         if name.endswith("tid2eid"):  # each token routes to k distinct experts: the first k of a random order
-            order = torch.rand(table.shape[0], experts, generator=gen, device=device).argsort(dim=-1)
-            table.copy_(order[:, : table.shape[1]])
+            order = torch.rand(tensor.shape[0], experts, generator=gen, device=device).argsort(dim=-1)
+            tensor.copy_(order[:, : tensor.shape[1]])
+            continue
+        std, mean = _initial_std_mean(name, tensor)
+        tensor.copy_(torch.randn(tensor.shape, generator=gen, device=device, dtype=tensor.dtype).mul_(std).add_(mean))
     return model
 
 
@@ -37,9 +39,9 @@ def _initial_std_mean(name: str, param: torch.Tensor) -> tuple[float, float]:
         return 0.1, 1.0
     if leaf in ("attn_sink", "ape") or name.endswith("gate.bias"):
         return 0.5, 0.0
-    if ".hc_" in f".{name}" and leaf == "base":
+    if leaf.startswith("hc_") and leaf.endswith("_base"):
         return 0.5, 0.0
-    if leaf == "scale":
+    if leaf.startswith("hc_") and leaf.endswith("_scale"):
         return 0.1, 1.0
     if name == "embed.weight":
         return 1.0, 0.0

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from engine.kernels.quant import quantize_fp4_weight, quantize_fp8_weight
 from engine.logging import configure_logging
 from engine.model.loader import load_model
-from engine.tools.make_tiny import official_state_dict
+from engine.model.weights import checkpoint_tensors
 
 FP8_LINEARS = re.compile(
     r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)\.weight$"
@@ -28,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def official_tensors(model) -> dict[str, torch.Tensor]:
     tensors = {}
-    for name, tensor in official_state_dict(model).items():
+    for name, tensor in checkpoint_tensors(model).items():
         if FP4_EXPERTS.search(name):
             tensors[name], tensors[name.removesuffix("weight") + "scale"] = quantize_fp4_weight(tensor)
         elif FP8_LINEARS.search(name):

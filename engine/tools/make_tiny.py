@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 
 from engine.logging import configure_logging
 from engine.model.args import ModelArgs
-from engine.model.checkpoint_names import internal_to_official, official_to_hf, routed_expert_part
+from engine.model.checkpoint_names import official_to_hf, routed_expert_part
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.random_init import randomize
+from engine.model.weights import checkpoint_tensors
 from engine.tools.tiny_tokenizer import save_tiny_tokenizer
 
 SEED = 20260430
@@ -79,25 +80,11 @@ def random_tiny_model(seed: int = SEED) -> DeepseekV4:
     return randomize(DeepseekV4(ModelArgs.from_config(TINY_CONFIG)), seed)
 
 
-def official_state_dict(model: DeepseekV4) -> dict[str, torch.Tensor]:
-    """The model's tensors under official names, routed experts split per expert."""
-    state = {}
-    for name, tensor in model.state_dict().items():
-        official = internal_to_official(name)
-        if expert := routed_expert_part(official):
-            prefix, part = expert
-            for e, expert in enumerate(tensor):
-                state[f"{prefix}.experts.{e}.{part}.weight"] = expert
-        else:
-            state[official] = tensor
-    return state
-
-
 def save_hf_checkpoint(model: DeepseekV4, out: Path, config: dict) -> None:
     """Hugging Face layout (transformers' own names, stacked experts); MTP tensors under official names."""
     out.mkdir(parents=True, exist_ok=True)
     state, experts = {}, {}
-    for name, tensor in official_state_dict(model).items():
+    for name, tensor in checkpoint_tensors(model).items():
         expert = routed_expert_part(name)
         if expert and not name.startswith("mtp."):
             prefix, part = expert

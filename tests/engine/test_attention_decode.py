@@ -101,47 +101,6 @@ def tiny_bf16(tiny_dir):
     return load_model(tiny_dir, dtype=torch.bfloat16, quant_sim=True)
 
 
-def test_fused_projections_share_the_weights(tiny_bf16):
-    model = tiny_bf16
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
-    names = [n for n, _ in model.named_parameters()]
-    for layer in model.layers:
-        layer.attn.fuse_projections()
-    assert [n for n, _ in model.named_parameters()] == names
-    for name, param in model.named_parameters():
-        if ".attn." in name:
-            assert torch.equal(param, before[name]), name
-    attn = model.layers[2].attn  # c4: wq_a, wkv and the indexer's weights_proj; four fp32 compressor projections
-    bf16, qr, fp32 = attn._fused["x"], attn._fused["qr"], attn._fused["x_fp32"]
-    assert [linear.out_features for linear in bf16.linears] == [64, 128, 16]
-    assert qr.linears == [attn.wq_b, attn.indexer.wq_b]
-    assert bf16.weight.dtype == torch.bfloat16 and fp32.weight.dtype == torch.float32
-    # One storage per group, of the group's size: the members' parameters hold no memory of their own.
-    for group in (bf16, qr, fp32):
-        storage = group.weight.untyped_storage()
-        assert storage.nbytes() == group.weight.numel() * group.weight.element_size()
-        assert all(linear.weight.untyped_storage().data_ptr() == storage.data_ptr() for linear in group.linears)
-    assert fp32.linears[-1] is attn.indexer.compressor.wgate
-    # A load writes through the views.
-    with torch.no_grad():
-        attn.wkv.weight.fill_(0.5)
-    assert (bf16.weight[64:192] == 0.5).all()
-    x = torch.randn(3, model.args.hidden_size).bfloat16()
-    q_a, kv_x, w = bf16(x)
-    assert torch.equal(kv_x, x @ attn.wkv.weight.T) and torch.equal(w, x @ attn.indexer.weights_proj.weight.T)
-    assert torch.equal(q_a, x @ attn.wq_a.weight.T)
-
-
-def test_a_cast_after_fusing_fuses_again(tiny_dir):
-    model = load_model(tiny_dir, dtype=torch.float32, quant_sim=False)
-    attn = model.layers[3].attn
-    attn.fuse_projections()
-    model.cast(torch.bfloat16)  # replaces wq_a's and wkv's data: no longer views of the fp32 group
-    assert not attn._fused["x"].intact() and attn._fused["x_fp32"].intact()  # the compressors stay in fp32
-    attn._projections()
-    assert attn._fused["x"].intact() and attn._fused["x"].weight.dtype == torch.bfloat16
-
-
 class _Launches(TorchDispatchMode):
     """Kernels a GPU would launch: torch ops that compute (not views or allocations), and Triton kernels."""
 

@@ -11,11 +11,10 @@ from safetensors.torch import load_file, save_file
 
 from engine.kernels.quant import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from engine.model.args import ModelArgs, ModelConfigError
-from engine.model.checkpoint_names import internal_to_official, routed_expert_part
 from engine.model.loader import CheckpointError, load_model
+from engine.model.weights import checkpoint_tensors
 from engine.standalone import Standalone
 from engine.tools.convert_official import FP4_EXPERTS, FP8_LINEARS, convert
-from engine.tools.make_tiny import official_state_dict
 from tests.engine.conftest import load_with_cache, prefill_logits
 
 
@@ -40,23 +39,19 @@ def test_official_layout_uses_the_official_names_dtypes_and_scales(official_dir)
 def test_official_fp8_fp4_checkpoint_loads_as_the_dequantised_weights(tiny_dir, official_dir, prompt_ids):
     original = load_with_cache(tiny_dir, dtype=torch.float32, quant_sim=False)
     quantised = load_with_cache(official_dir, dtype=torch.float32, quant_sim=False)
-    reference = official_state_dict(original)
+    reference, loaded = checkpoint_tensors(original), checkpoint_tensors(quantised)
     stored = load_file(official_dir / "model.safetensors")
-    loaded = dict(quantised.named_parameters())
-    for name, param in original.named_parameters():
-        official = internal_to_official(name)
+    assert loaded.keys() == reference.keys() == stored.keys() - {n for n in stored if n.endswith(".scale")}
+    for name, want in reference.items():
         got = loaded[name]
-        if expert := routed_expert_part(official):  # stacked: compare each expert
-            prefix, part = expert
-            for e in range(got.shape[0]):
-                w = reference[f"{prefix}.experts.{e}.{part}.weight"]
-                assert torch.equal(got[e], dequantize_fp4_weight(*quantize_fp4_weight(w)))
-                assert (got[e] - w).abs().max() <= w.abs().max() / 3  # half an e2m1 step <= the block scale
-        elif FP8_LINEARS.search(official):
-            assert torch.equal(got, dequantize_fp8_weight(*quantize_fp8_weight(param)))
-            assert (got - param).abs().max() <= param.abs().max() / 16  # e4m3 keeps 3 mantissa bits
+        if FP4_EXPERTS.search(name):
+            assert torch.equal(got, dequantize_fp4_weight(*quantize_fp4_weight(want)))
+            assert (got - want).abs().max() <= want.abs().max() / 3  # half an e2m1 step <= the block scale
+        elif FP8_LINEARS.search(name):
+            assert torch.equal(got, dequantize_fp8_weight(*quantize_fp8_weight(want)))
+            assert (got - want).abs().max() <= want.abs().max() / 16  # e4m3 keeps 3 mantissa bits
         else:  # stored in the official dtype (norms in bf16, mixing weights in fp32), loaded exactly
-            assert torch.equal(got, stored[official].to(got.dtype)), name
+            assert torch.equal(got, stored[name].to(got.dtype)), name
     # The model still computes nearly the same function: quantisation error, not a layout error.
     a, b = prefill_logits(original, prompt_ids[:200]), prefill_logits(quantised, prompt_ids[:200])
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() > 0.9  # FP4 experts on random weights

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import engine.model.moe as moe_model
+import engine.model.weight_formats as weight_formats
 from engine.kernels.moe import (
     gate_route_triton,
     moe_combine_triton,
@@ -90,7 +91,7 @@ def test_tiny_model_through_the_moe_kernels(fp32_model, prompt_ids, monkeypatch)
     ids = prompt_ids[:24]
     ref = prefill_logits(fp32_model, ids)
     monkeypatch.setattr(moe_model, "gate_route", gate_route_triton)
-    monkeypatch.setattr(moe_model, "moe_expert_pairs", moe_expert_pairs_triton)
+    monkeypatch.setattr(weight_formats, "moe_expert_pairs", moe_expert_pairs_triton)
     monkeypatch.setattr(moe_model, "shared_swiglu", shared_swiglu_triton)
     monkeypatch.setattr(moe_model, "moe_combine", moe_combine_triton)
     got = prefill_logits(fp32_model, ids)

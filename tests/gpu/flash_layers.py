@@ -14,7 +14,7 @@ ARGS = ModelArgs.from_config(v4_flash_width_config())
 
 
 def flash_attention(ratio: int, device: str = "cuda") -> Attention:
-    """The layer of compress ratio `ratio` (bf16, fp32 where the reference keeps fp32), projections fused, no cache."""
+    """The layer of compress ratio `ratio` (bf16, fp32 where the reference keeps fp32), no cache."""
     layer_id = list(ARGS.compress_ratios).index(ratio)
     torch.manual_seed(layer_id)
     with torch.device(device):
@@ -27,7 +27,6 @@ def flash_attention(ratio: int, device: str = "cuda") -> Attention:
                 p.copy_(torch.randn_like(p) * 0.5)
             else:
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
-            if not (name.endswith(("norm.weight", "attn_sink", "ape")) or "compressor.w" in name):
+            if not (name.endswith(("norm.weight", "attn_sink", "ape")) or "x_fp32_proj" in name):
                 p.data = p.data.bfloat16()
-    attn.fuse_projections()
     return attn

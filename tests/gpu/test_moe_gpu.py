@@ -155,6 +155,7 @@ def _flash_moe(experts, hashed: bool) -> moe_model.MoE:
     args = types.SimpleNamespace(
         hidden_size=D, moe_intermediate_size=INTER, n_routed_experts=E, num_experts_per_tok=K,
         routed_scaling_factor=SCALE, vocab_size=VOCAB, num_hash_layers=1 if hashed else 0, swiglu_limit=LIMIT,
+        block_name=lambda i: f"layers.{i}",
     )  # fmt: skip
     with torch.device("meta"):  # no memory until each parameter is given its tensor below
         module = moe_model.MoE(args, layer_id=0)
@@ -166,27 +167,27 @@ def _flash_moe(experts, hashed: bool) -> moe_model.MoE:
     def param(tensor):
         return torch.nn.Parameter(tensor, requires_grad=False)
 
-    module.experts.w1, module.experts.w3, module.experts.w2 = map(param, experts)
+    for weights, expert in zip((module.experts.w1, module.experts.w3, module.experts.w2), experts, strict=True):
+        weights.weight = param(expert)
     module.gate.weight = param(normal(E, D))
     if hashed:
         module.gate.tid2eid = _routing_inputs(1, seed=1)[2]
     else:
         module.gate.bias = param(torch.randn(E, device=DEV, generator=gen) * 0.1)
-    for linear in (module.shared_experts.w1, module.shared_experts.w3, module.shared_experts.w2):
+    for linear in (*module.shared_experts.gate_up.parts, module.shared_experts.w2):
         linear.weight = param(normal(*linear.weight.shape))
     assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
-    module.shared_experts.fuse_projections()
-    assert module.shared_experts.gate_up.intact()
     return module.eval()
 
 
 def _block_reference(module, x, weights, ids):
     """The block through the reference ops, for a given routing (the gate is checked on its own above)."""
     shared = module.shared_experts
-    gate, up = x @ shared.w1.weight.T, x @ shared.w3.weight.T
+    w1, w3 = shared.gate_up.parts[0].weight.chunk(2)  # the merged gate and up rows
+    gate, up = x @ w1.T, x @ w3.T
     shared_out = shared_swiglu_reference(gate, up, LIMIT) @ shared.w2.weight.T
     e = module.experts
-    pairs = moe_expert_pairs_reference(x, weights, ids, e.w1, e.w3, e.w2, LIMIT)
+    pairs = moe_expert_pairs_reference(x, weights, ids, e.w1.weight, e.w3.weight, e.w2.weight, LIMIT)
     return moe_combine_reference(pairs, shared_out, K)
 
 

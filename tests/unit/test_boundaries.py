@@ -135,3 +135,23 @@ def test_kernels_import_only_kernels(path):
 @pytest.mark.parametrize("path", _sources("engine/model"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_model_does_not_import_the_block_manager(path):
     assert not any(m.startswith("engine.cache.block_manager") for m in _imported_modules(path)), path
+
+
+# Weights: only a layer's weight format converts or multiplies a stored tensor; the loader and the checkpoint tools
+# map names to layers and never touch a tensor's format themselves.
+WEIGHT_CONVERTERS = ("engine.kernels.quant", "engine.kernels.moe", "torch.nn.functional")
+
+
+@pytest.mark.parametrize("path", [ROOT / "engine/model/loader.py", ROOT / "engine/model/weights.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))  # fmt: skip
+def test_the_loader_leaves_conversion_to_the_weight_formats(path):
+    converters = {m for m in _imported_modules(path) if m.startswith(WEIGHT_CONVERTERS)}
+    assert not converters, f"{path} imports {converters}"
+
+
+@pytest.mark.parametrize("path", _sources("engine/model"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_layers_build_linears_through_the_linear_layers(path):
+    """Every projection is one of engine/model/linear.py's layers (which own a weight format), never a bare
+    nn.Linear whose weight someone would have to know the format of."""
+    source = path.read_text()
+    assert "nn.Linear(" not in source and "F.linear(" not in source or path.name == "weight_formats.py", path
