@@ -1,6 +1,7 @@
 """The model shape the step and serving benchmarks run: DeepSeek-V4-Flash's real widths at reduced depth, one layer
 of each kind (window-only, c4 with the indexer, c128; hash- and score-routed MoE), all 256 experts, the full
-vocabulary. Weights are seeded random bf16 made on the GPU (`load_format=dummy`), never written to disk."""
+vocabulary. Weights are seeded random bf16 made on the GPU (`load_format=dummy`), never written to disk, or with
+`official_formats` in the official checkpoint's formats (FP8 dense linears, MXFP4 experts), made as codes and scales."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 from engine.tokenizer import byte_level_chars
+from engine.tools.convert_official import OFFICIAL_FORMATS
 from engine.tools.make_tiny import TINY_CONFIG
 from engine.tools.tiny_tokenizer import save_tiny_tokenizer
 
@@ -49,10 +51,10 @@ def v4_flash_width_config() -> dict:
     return TINY_CONFIG | V4_FLASH_WIDTHS
 
 
-def write_model_dir(out: Path) -> Path:
+def write_model_dir(out: Path, official_formats: bool = False) -> Path:
     """config.json and a tokenizer for `--load-format dummy`: the tiny tokenizer, its vocabulary padded to the
     model's with tokens that decode to `<id>`, so that every sampled id streams as text."""
-    config = v4_flash_width_config()
+    config = v4_flash_width_config() | (OFFICIAL_FORMATS if official_formats else {})
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_tiny_tokenizer(out)

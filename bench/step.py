@@ -69,8 +69,9 @@ def roofline_bytes(model, batch_size: int, touched: list[int], context: int) -> 
         p.numel() * p.element_size() for n, p in params.items() if ".experts.w" not in n and n != "embed.weight"
     )
     dense += batch_size * model.args.hidden_size * params["embed.weight"].element_size()  # the embedding rows read
-    expert = sum(params[f"layers.0.ffn.experts.{w}.weight"][0].numel() for w in ("w1", "w2", "w3"))
-    experts = sum(touched) * expert * params["layers.0.ffn.experts.w1.weight"].element_size()
+    # One expert's bytes in every tensor of its format (codes and scales when quantized).
+    expert = sum(p[0].numel() * p.element_size() for n, p in params.items() if n.startswith("layers.0.ffn.experts."))
+    experts = sum(touched) * expert
     kv = batch_size * kv_bytes_per_request(model, context)
     return {"dense_weights": dense, "routed_experts": experts, "kv_rows": kv, "total": dense + experts + kv}
 
@@ -95,20 +96,30 @@ def kernel_profile(model, batch) -> tuple[int, float, float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--weights", choices=("bf16", "official"), default="bf16",
+                        help="official: FP8 dense linears and MXFP4 experts as the official checkpoint stores them "
+                        "(results in step-official.*)")  # fmt: skip
     args = parser.parse_args()
+    official = args.weights == "official"
     gpu = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
-    model = load_model(write_model_dir(Path(tempfile.mkdtemp())), torch.bfloat16, DEV, load_format="dummy")
+    before = torch.cuda.memory_allocated()
+    model = load_model(write_model_dir(Path(tempfile.mkdtemp()), official), torch.bfloat16, DEV, load_format="dummy")
+    held = torch.cuda.memory_allocated() - before
+    tensor_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     layout = KVLayout.for_model(model.args, 256, "fp8_e4m3")
     alone = Standalone.allocate(model, max(BATCHES) * layout.pages_for(CONTEXT + 1) + 1, max(BATCHES) + 1, "fp8_e4m3")
     cache = alone.kv_cache
     graphs = DecodeGraphs(model, max(BATCHES), layout.pages_for(MAX_CONTEXT), pad_slot=alone.blocks.take_slot())
     gen = torch.Generator(device=DEV).manual_seed(0)
-    results: dict = {"gpu": gpu, "copy_bandwidth_tb_s": bandwidth / 1e12, "batches": {}}
+    results: dict = {"gpu": gpu, "copy_bandwidth_tb_s": bandwidth / 1e12, "batches": {}, "weights_bytes": held,
+                     "weights_bytes_ratio": held / tensor_bytes}  # fmt: skip
     lines = [
         f"GPU: {gpu}; copy {bandwidth / 1e12:.2f} TB/s. Model: V4-Flash widths, layers {COMPRESS_RATIOS} "
-        f"(compress ratio per layer; the first {model.args.num_hash_layers} hash-routed), 256 experts, bf16 weights, "
-        f"FP8 KV; each request at {CONTEXT} tokens, page tables (and graphs) sized for {MAX_CONTEXT}.",
+        f"(compress ratio per layer; the first {model.args.num_hash_layers} hash-routed), 256 experts, "
+        f"{'FP8 dense linears and MXFP4 experts' if official else 'bf16 weights'}, "
+        f"FP8 KV; each request at {CONTEXT} tokens, page tables (and graphs) sized for {MAX_CONTEXT}. Weights on "
+        f"the GPU after loading: {held / 1e9:.2f} GB, {held / tensor_bytes:.3f} of the model's tensor bytes.",
         "",
         "| batch | graph µs/step | eager µs/step | roofline µs | fraction | experts touched per layer | bytes: dense / "
         "experts / KV (MB) | graph vs eager logits max abs diff | sparse attention µs/step (share of GPU time) |",
@@ -172,13 +183,15 @@ def main() -> None:
     ]
     results.update(provenance())
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step.json").write_text(json.dumps(results, indent=2) + "\n")
+    name = "step-official" if official else "step"
+    (args.out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     header = [
         f"# Whole decode step — {results['date']}, {gpu}, commit {results['commit']}",
-        f"torch {torch.__version__}, triton {triton.__version__}. Command: `python bench/step.py --out DIR`.",
+        f"torch {torch.__version__}, triton {triton.__version__}. Command: `python bench/step.py --out DIR"
+        + (" --weights official`." if official else "`."),
         "",
     ]
-    (args.out / "step.md").write_text("\n".join(header + lines) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(header + lines) + "\n")
     print("\n".join(lines[-(10 + batch1_breakdown.count("\n")) :]))
 
 

@@ -27,6 +27,7 @@ variant. A kernel variant made after boot anyway (compiled, or loaded from Trito
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
+from engine.model.weight_formats import Formats
 from engine.model_runner import ExpertCounts
 from engine.standalone import Standalone
 
@@ -76,16 +78,22 @@ def layout_kv_dtype(config: EngineConfig, device: torch.device) -> str:
 FP8_COMPUTE_CAPABILITY = (8, 9)
 
 
-def check_fp8_support(gpu: str, capability: tuple[int, int], kv_dtype: str, quant_sim: bool) -> None:
-    """FP8 KV rows and quant_sim's FP8 rounding compile only for GPUs of compute capability 8.9 or newer: refuse an
-    older GPU at start, before the weights load, rather than at the first kernel's compile minutes later."""
-    needs = [what for what, on in (("kv_cache_dtype fp8_e4m3", kv_dtype == "fp8_e4m3"), ("quant_sim", quant_sim)) if on]
+def check_fp8_support(gpu: str, capability: tuple[int, int], kv_dtype: str, quant_sim: bool,
+                      quantized_weights: bool = False) -> None:  # fmt: skip
+    """FP8 KV rows, quant_sim's FP8 rounding and weights kept in FP8 / MXFP4 compile only for GPUs of compute
+    capability 8.9 or newer: refuse an older GPU at start, before the weights load, rather than at the first
+    kernel's compile minutes later."""
+    settings = (("kv_cache_dtype fp8_e4m3", kv_dtype == "fp8_e4m3"), ("quant_sim", quant_sim),
+                ("weight_formats as_stored (FP8 / MXFP4 weights)", quantized_weights))  # fmt: skip
+    needs = [what for what, on in settings if on]
     if needs and capability < FP8_COMPUTE_CAPABILITY:
         raise RuntimeError(
-            f"{gpu} has compute capability {capability[0]}.{capability[1]}; {' and '.join(needs)} "
+            f"{gpu} has compute capability {capability[0]}.{capability[1]}; "
+            f"{' and '.join([', '.join(needs[:-1]), needs[-1]] if len(needs) > 1 else needs)} "
             f"{'need' if len(needs) > 1 else 'needs'} 8.9 or newer "
             "(Ada, Hopper, Blackwell), where Triton has FP8 e4m3. Without them (kv_cache_dtype bfloat16, quant_sim "
-            "off, which drops the official model's FP8/FP4 activation rounding) the engine is untested on this GPU"
+            "off, which drops the official model's FP8/FP4 activation rounding, weight_formats dequantized) the "
+            "engine is untested on this GPU"
         )
 
 
@@ -143,12 +151,15 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
     dtype = resolve_dtype(config, device)
     cuda = device.type == "cuda"
     if cuda:
+        formats = Formats.for_checkpoint(json.loads((Path(config.model) / "config.json").read_text()),
+                                         config.weight_formats)  # fmt: skip
         check_fp8_support(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
-                          layout_kv_dtype(config, device), config.quant_sim)  # fmt: skip
+                          layout_kv_dtype(config, device), config.quant_sim, formats != Formats())  # fmt: skip
     torch.manual_seed(config.seed)
 
     started = time.monotonic()
-    model = load_model(config.model, dtype, device, config.quant_sim, load_format=config.load_format)
+    model = load_model(config.model, dtype, device, config.quant_sim, load_format=config.load_format,
+                       weight_formats=config.weight_formats)  # fmt: skip
     if cuda:
         weights_bytes = torch.cuda.memory_allocated(device)
     else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from engine.model.weight_formats import WEIGHT_FORMATS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Rows in the model's own dtype are what "auto" gives on the CPU, for exact results there.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
@@ -56,6 +58,11 @@ class EngineConfig:
         f"one of {LOAD_FORMATS}; dummy = seeded random weights made on the device from the directory's config.json "
         "(benchmarks of a model's shape without its weights)",
     )
+    weight_formats: str = _field(
+        "as_stored",
+        f"one of {WEIGHT_FORMATS}; as_stored keeps the formats config.json declares (the official checkpoint's FP8 "
+        "dense linears and MXFP4 experts) in GPU memory, dequantized holds every weight in dtype",
+    )
     seed: int = _field(0, "the engine's base random seed")
     host: str = _field("127.0.0.1", "address the HTTP server binds to")
     port: int = _field(30000, "port the HTTP server binds to")
@@ -87,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.weight_formats not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_formats must be one of {WEIGHT_FORMATS}, got {self.weight_formats!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

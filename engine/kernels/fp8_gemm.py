@@ -31,12 +31,12 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import interpreting, shared_memory_limit, use_triton
-from engine.kernels.quant import FP8_MAX, _block_scales, _e8m0_to_float, _round_half_even, exact_ceil_log2
+from engine.kernels.quant import FP8_MAX, block_scales, e8m0_to_float, exact_ceil_log2, round_half_even
 from engine.kernels.scales import pow2
 
 BLOCK = 128  # the checkpoint's block: weight scales per 128x128, activation scales per 128 channels
 DECODE_MAX_M = 64  # rows up to this many take the weight-streaming decode kernel
-FP8_TINY = torch.finfo(torch.float32).tiny * FP8_MAX  # the amax floor of quant._block_scales
+FP8_TINY = torch.finfo(torch.float32).tiny * FP8_MAX  # the amax floor of quant.block_scales
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,17 +46,21 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     padded = torch.zeros(m, blocks * BLOCK, dtype=torch.float32, device=x.device)
     padded[:, :k] = x.float()
     tiles = padded.view(m, blocks, BLOCK)
-    scale = _block_scales(tiles, FP8_MAX)  # [M, blocks, 1]
+    scale = block_scales(tiles, FP8_MAX)  # [M, blocks, 1]
     codes = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.view(m, -1)[:, :k].contiguous(), scale.squeeze(-1)
 
 
-def _block_matmul(codes, act_scale, weight, scale) -> torch.Tensor:
+def _row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weight's block scales as fp32, one row of them per weight row: [rows, K blocks]."""
+    return e8m0_to_float(scale).repeat_interleave(BLOCK, 0)[:rows]
+
+
+def _block_matmul(codes, act_scale, weight, w_scale) -> torch.Tensor:
     """fp32 [M, N]: per K block, the exact e4m3 products summed in fp32, times the activation's and the weight's
-    block scales, added in K order."""
+    block scales (`w_scale` per weight row, _row_scales), added in K order."""
     m, k = codes.shape
     n = weight.shape[0]
-    w_scale = _e8m0_to_float(scale).repeat_interleave(BLOCK, 0)[:n]  # [N, K blocks]
     out = torch.zeros(m, n, dtype=torch.float32, device=codes.device)
     for kb in range(math.ceil(k / BLOCK)):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
@@ -81,24 +85,24 @@ def fp8_block_linear_reference(x, weight, scale, out_dtype=None):
     out_dtype (default x's)."""
     _check(weight, scale, x.shape[1])
     codes, act_scale = quantize_activations_reference(x)
-    return _block_matmul(codes, act_scale, weight, scale).to(out_dtype or x.dtype)
+    return _block_matmul(codes, act_scale, weight, _row_scales(scale, weight.shape[0])).to(out_dtype or x.dtype)
 
 
 def fp8_block_grouped_linear_reference(x, weight, scale, out_dtype=None):
-    """x [N, G, D]; weight e4m3 [G * R, D] (group g's rows g*R..(g+1)*R, R a multiple of 128); scale [G*R/128,
-    ceil(D/128)] -> [N, G, R]: y[n, g] = x[n, g] · W_gᵀ."""
+    """x [N, G, D]; weight e4m3 [G * R, D] (group g's rows g*R..(g+1)*R); scale [ceil(G*R/128), ceil(D/128)] ->
+    [N, G, R]: y[n, g] = x[n, g] · W_gᵀ. A scale block may span two groups when R is not a multiple of 128 (small
+    test models); the Triton kernel needs R a multiple of 128, as every DeepSeek-V4 width is."""
     n, groups, dim = x.shape
     rows = weight.shape[0] // groups
     _check(weight, scale, dim)
-    if rows % BLOCK or rows * groups != weight.shape[0]:
-        raise ValueError(f"grouped FP8 weight {tuple(weight.shape)} does not split into {groups} groups of 128-row "
-                         "blocks")  # fmt: skip
+    if rows * groups != weight.shape[0]:
+        raise ValueError(f"grouped FP8 weight {tuple(weight.shape)} does not split into {groups} groups")
     codes, act_scale = quantize_activations_reference(x.reshape(n * groups, dim))
     codes, act_scale = codes.view(n, groups, dim), act_scale.view(n, groups, -1)
-    blocks = rows // BLOCK
+    w_scale = _row_scales(scale, weight.shape[0])
     out = [
         _block_matmul(codes[:, g], act_scale[:, g], weight[g * rows : (g + 1) * rows],
-                      scale[g * blocks : (g + 1) * blocks])
+                      w_scale[g * rows : (g + 1) * rows])
         for g in range(groups)
     ]  # fmt: skip
     return torch.stack(out, dim=1).to(out_dtype or x.dtype)
@@ -113,7 +117,7 @@ def _to_e4m3_rounding_first(v):
     3.6's interpreter drops the carry when rounding crosses a power of two (31.7 -> 16), the GPU's cvt does not."""
     bits = v.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3 subnormals below 2**-6
-    codes = (_round_half_even(tl.abs(v) * pow2(3 - e)) * pow2(e - 3)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    codes = (round_half_even(tl.abs(v) * pow2(3 - e)) * pow2(e - 3)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     # the sign bit from v's, -0 included (tiny negatives quantize to -0 on the GPU; the interpreter drops it)
     return (codes | tl.where(bits < 0, 0x80, 0).to(tl.uint8)).to(tl.float8e4nv, bitcast=True)
 
@@ -395,7 +399,8 @@ def fp8_block_linear(x, weight, scale, out_dtype=None):
 
 
 def fp8_block_grouped_linear(x, weight, scale, out_dtype=None):
-    impl = fp8_block_grouped_linear_triton if _triton_ok(x) else fp8_block_grouped_linear_reference
+    rows_tile = (weight.shape[0] // x.shape[1]) % BLOCK == 0
+    impl = fp8_block_grouped_linear_triton if _triton_ok(x) and rows_tile else fp8_block_grouped_linear_reference
     return impl(x, weight, scale, out_dtype)
 
 

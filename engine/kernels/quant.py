@@ -37,7 +37,7 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(x)))
 
 
-def _block_scales(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
+def block_scales(blocks: torch.Tensor, qmax: float) -> torch.Tensor:
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny * qmax)
     return _pow2_ceil(amax / qmax)
 
@@ -61,7 +61,7 @@ def fp8_simulate(x: torch.Tensor, block: int) -> torch.Tensor:
     """Round-trip `x` through e4m3 with one ue8m0 scale per `block` elements of the last dimension."""
     shape, dtype = x.shape, x.dtype
     blocks = _working(x).unflatten(-1, (-1, block))
-    scale = _block_scales(blocks, FP8_MAX)
+    scale = block_scales(blocks, FP8_MAX)
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(blocks.dtype)
     return (q * scale).reshape(shape).to(dtype)
 
@@ -70,7 +70,7 @@ def fp4_simulate(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Round-trip `x` through e2m1 with one ue8m0 scale per `block` elements of the last dimension."""
     shape, dtype = x.shape, x.dtype
     blocks = _working(x).unflatten(-1, (-1, block))
-    scale = _block_scales(blocks, FP4_MAX)
+    scale = block_scales(blocks, FP4_MAX)
     q = _round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX))
     return (q * scale).reshape(shape).to(dtype)
 
@@ -92,7 +92,7 @@ def _e8m0(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float8_e8m0fnu)
 
 
-def _e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.float8_e8m0fnu:
         return torch.exp2(scale.view(torch.uint8).float() - 127.0)
     return scale.float()
@@ -105,7 +105,7 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=w.device)
     padded[:out_f, :in_f] = w.float()
     tiles = padded.view(rows, block, cols, block).permute(0, 2, 1, 3).reshape(rows, cols, block * block)
-    scale = _block_scales(tiles, FP8_MAX)  # [rows, cols, 1]
+    scale = block_scales(tiles, FP8_MAX)  # [rows, cols, 1]
     q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(rows, cols, block, block).permute(0, 2, 1, 3).reshape(rows * block, cols * block)
     return q[:out_f, :in_f].contiguous(), _e8m0(scale.squeeze(-1))
@@ -121,14 +121,14 @@ def dequantize_fp8_weight(
         raise ValueError(
             f"FP8 scale shape {tuple(scale.shape)} does not fit weight {tuple(w.shape)} (expected {expected})"
         )
-    s = _e8m0_to_float(scale).repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
+    s = e8m0_to_float(scale).repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
     return (w.float() * s).to(dtype)
 
 
 def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] -> (int8 [out, in/2] packed e2m1 codes, low nibble = even element; ue8m0 scale [out, in/block])."""
     blocks = w.float().unflatten(-1, (-1, block))
-    scale = _block_scales(blocks, FP4_MAX)
+    scale = block_scales(blocks, FP4_MAX)
     q = _round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
     codes = torch.bucketize(q.abs(), E2M1_VALUES.to(w.device)).to(torch.uint8) | ((q < 0).to(torch.uint8) << 3)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -146,7 +146,7 @@ def dequantize_fp4_weight(
     block = values.shape[-1] // scale.shape[-1]
     if scale.shape[-1] * block != values.shape[-1]:
         raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)}")
-    return (values * _e8m0_to_float(scale).repeat_interleave(block, -1)).to(dtype)
+    return (values * e8m0_to_float(scale).repeat_interleave(block, -1)).to(dtype)
 
 
 def simulate_kv_row_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -169,7 +169,7 @@ def exact_ceil_log2(x):
 
 
 @triton.jit
-def _round_half_even(x):
+def round_half_even(x):
     r = tl.floor(x + 0.5)
     return tl.where((r - x == 0.5) & (r % 2 != 0), r - 1.0, r)
 
@@ -178,8 +178,8 @@ def _round_half_even(x):
 def fp4_round(x):
     """Nearest e2m1 value (ties to the even code) of |x| <= 6, sign kept: `_round_e2m1` in a kernel."""
     mag = tl.abs(x)
-    q = tl.where(mag < 2.0, _round_half_even(mag * 2.0) * 0.5,
-                 tl.where(mag < 4.0, _round_half_even(mag), _round_half_even(mag * 0.5) * 2.0))  # fmt: skip
+    q = tl.where(mag < 2.0, round_half_even(mag * 2.0) * 0.5,
+                 tl.where(mag < 4.0, round_half_even(mag), round_half_even(mag * 0.5) * 2.0))  # fmt: skip
     q = tl.minimum(q, 6.0)
     return tl.where(x < 0, -q, q)
 

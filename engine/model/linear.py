@@ -119,16 +119,25 @@ class RowParallelLinear(Linear):
 
 class ProjectionGroup(nn.Module):
     """Projections of one input computed as few GEMMs as their formats and splits allow: members that share both
-    are one merged linear. `members`: (checkpoint name, output features, format, split over the shard?)."""
+    are one merged linear, except that nothing stacks after a member whose rows end inside one of its format's
+    scale blocks (a small test model's). `members`: (checkpoint name, output features, format, split over the
+    shard?)."""
 
     def __init__(self, in_features: int, members: Sequence[tuple[str, int, WeightFormat, bool]], shard: Shard):
         super().__init__()
-        groups: dict[tuple[WeightFormat, bool], list[tuple[str, int]]] = {}
+        groups: list[tuple[WeightFormat, bool, list[tuple[str, int]]]] = []
+        open_groups: dict[tuple[WeightFormat, bool], list[tuple[str, int]]] = {}
         for name, rows, fmt, split in members:
-            groups.setdefault((fmt, split and shard.size > 1), []).append((name, rows))
+            split = split and shard.size > 1
+            if (fmt, split) not in open_groups:
+                open_groups[fmt, split] = []
+                groups.append((fmt, split, open_groups[fmt, split]))
+            open_groups[fmt, split].append((name, rows))
+            if (rows // shard.size if split else rows) % fmt.row_block:  # ends mid-block: nothing stacks after it
+                del open_groups[fmt, split]
         self.parts = nn.ModuleList(
             (ColumnParallelLinear if split else ReplicatedLinear)(in_features, group, fmt, shard)
-            for (fmt, split), group in groups.items()
+            for fmt, split, group in groups
         )
         where = {name: (i, j) for i, part in enumerate(self.parts) for j, name in enumerate(part.names)}
         self.order = [where[name] for name, *_ in members]

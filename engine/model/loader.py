@@ -5,6 +5,7 @@ formats take the tensors as stored. Errors name the tensor; progress is reported
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from engine.model.args import ModelArgs
 from engine.model.checkpoint_names import canonical_name, official_to_hf
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.random_init import randomize
+from engine.model.weight_formats import Formats
 from engine.model.weights import WeightEntry, plain_tensors, weight_entries
 
 log = structlog.get_logger(__name__)
@@ -93,12 +95,15 @@ def load_model(
     quant_sim: bool = True,
     progress: Progress | None = None,
     load_format: str = "auto",
+    weight_formats: str = "as_stored",
 ) -> DeepseekV4:
     """`load_format` "dummy": the directory's config.json with seeded random weights made on `device`. Otherwise
     each layer's members are handed to the layer's weight format as stored, and every other tensor is copied into
-    its parameter (cast to the parameter's dtype)."""
+    its parameter (cast to the parameter's dtype). `weight_formats`: keep the formats config.json declares (FP8
+    dense linears, MXFP4 experts) or hold every weight dequantized in `dtype` (Formats.for_checkpoint)."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_model_dir(model_dir)
+    formats = Formats.for_checkpoint(json.loads((model_dir / "config.json").read_text()), weight_formats)
     if load_format == "dummy":
         # Made in `dtype` from the start (those kept in fp32 say so themselves): at V4-Flash widths an fp32 model
         # would not fit beside the bf16 one.
@@ -106,10 +111,10 @@ def load_model(
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = randomize(DeepseekV4(args, quant_sim=quant_sim), seed=0).cast(dtype)
+                model = randomize(DeepseekV4(args, quant_sim=quant_sim, formats=formats), seed=0).cast(dtype)
         finally:
             torch.set_default_dtype(default_dtype)
-        log.info("weights_loaded", model=str(model_dir), load_format="dummy")
+        log.info("weights_loaded", model=str(model_dir), load_format="dummy", formats=formats.describe())
         return model.eval()
     shards = _Shards(model_dir)
     if args.num_nextn_predict_layers and not any(name.startswith("mtp.") for name in shards.where):
@@ -119,7 +124,7 @@ def load_model(
             args, num_nextn_predict_layers=0, compress_ratios=args.compress_ratios[: args.num_hidden_layers]
         )
     with torch.device(device):
-        model = DeepseekV4(args, quant_sim=quant_sim).cast(dtype)
+        model = DeepseekV4(args, quant_sim=quant_sim, formats=formats).cast(dtype)
     entries, plain = list(weight_entries(model)), plain_tensors(model)
     started, total = time.monotonic(), len(entries) + len(plain)
     with torch.no_grad():
@@ -129,7 +134,13 @@ def load_model(
                 progress(done, total)
             if done * 10 // total != (done - 1) * 10 // total:  # every tenth of the tensors
                 log.info("load_progress", tensors_loaded=done, tensors_total=total)
-    log.info("weights_loaded", model=str(model_dir), tensors=total, seconds=round(time.monotonic() - started, 3))
+    log.info(
+        "weights_loaded",
+        model=str(model_dir),
+        formats=formats.describe(),
+        tensors=total,
+        seconds=round(time.monotonic() - started, 3),
+    )
     return model.eval()
 
 

@@ -16,14 +16,24 @@ from safetensors.torch import save_file
 from engine.kernels.quant import quantize_fp4_weight, quantize_fp8_weight
 from engine.logging import configure_logging
 from engine.model.loader import load_model
+from engine.model.weight_formats import OFFICIAL_FP8_MEMBERS
 from engine.model.weights import checkpoint_tensors
 
-FP8_LINEARS = re.compile(
-    r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|e_proj|h_proj)\.weight$"
-)
+FP8_LINEARS = re.compile(OFFICIAL_FP8_MEMBERS.removesuffix("$") + r"\.weight$")
 FP4_EXPERTS = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 FP32_TENSORS = re.compile(r"(hc_\w+|attn_sink|gate\.bias|\.ape)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# config.json's keys that declare the official formats, as the official checkpoint's config.json has them
+OFFICIAL_FORMATS = {
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    },
+    "expert_dtype": "fp4",
+}
 
 
 def official_tensors(model) -> dict[str, torch.Tensor]:
@@ -41,19 +51,12 @@ def official_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def convert(src: Path, out: Path) -> Path:
-    model = load_model(src, dtype=torch.float32)
+    model = load_model(src, dtype=torch.float32, weight_formats="dequantized")
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in official_tensors(model).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-        "activation_scheme": "dynamic",
-    }
-    config["expert_dtype"] = "fp4"
+    config |= OFFICIAL_FORMATS
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (src / name).exists():
