@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import httpx
 import openai
@@ -244,13 +245,21 @@ def test_the_route_holds_no_more_agent_requests_than_production_admits(console, 
     approve(console.data_dir, narrow)
     assert console.switched(console.switch(narrow))["status"] == "committed"
     long = {"model": ALIAS, "prompt": "Hold on", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with agent.stream("POST", COMPLETIONS, json=long) as first, agent.stream("POST", COMPLETIONS, json=long) as second:
-        assert (first.status_code, second.status_code) == (200, 200), second.read()
-        third = agent.post(COMPLETIONS, json=long | {"stream": False})
-        assert third.status_code == 429, third.text
-        error = third.json()["error"]
-        assert error["code"] == "route_full" and "max_num_seqs + max_waiting_requests = 2" in error["message"]
-        assert third.headers["retry-after"] == "1"
+    for _ in range(10):
+        with ExitStack() as held:
+            first = held.enter_context(agent.stream("POST", COMPLETIONS, json=long))
+            second = held.enter_context(agent.stream("POST", COMPLETIONS, json=long))
+            if second.status_code == 429 and b"queue_full" in second.read():
+                continue  # the production watch's canary (every 0.5 s here on an idle engine) held the engine a moment
+            assert (first.status_code, second.status_code) == (200, 200), second.read()
+            third = agent.post(COMPLETIONS, json=long | {"stream": False})
+            assert third.status_code == 429, third.text
+            error = third.json()["error"]
+            assert error["code"] == "route_full" and "max_num_seqs + max_waiting_requests = 2" in error["message"]
+            assert third.headers["retry-after"] == "1"
+            break
+    else:
+        pytest.fail("the engine refused the second held request ten times")
     # Both clients went away: their requests leave the route's count (and the engine), so it admits again.
     short = long | {"stream": False, "max_tokens": 1}
     wait_until(lambda: agent.post(COMPLETIONS, json=short).status_code == 200, "the route admits again", 30)
