@@ -133,7 +133,7 @@ def main() -> None:
         batch = ForwardBatch(ids, torch.full((batch_size,), CONTEXT, device=DEV), states, [1] * batch_size)
         alone.prepare(batch)
         saved = [t.clone() for t in cache.tensors()]  # both runs of the step start from the same cache
-        graph_logits = graphs.replay(batch).clone()  # also leaves the batch in the graph's static inputs
+        graph_logits = graphs.replay(batch, batch_size).clone()  # also leaves the batch in the graph's static inputs
         for tensor, before in zip(cache.tensors(), saved, strict=True):
             tensor.copy_(before)
         eager_logits = model.logits(model.run_layers(batch))

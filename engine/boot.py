@@ -1,7 +1,9 @@
 """Boot: everything the engine does once, before it serves — device checks, the weights, the KV pool's size and
 allocation, the decode graphs' capture and the warm-up of the eager step shapes — logged as the boot stages
 `weights`, `kv_alloc` and `graph_capture`. What it makes (`Booted`) is what the per-device step runner
-(engine/model_runner.py) runs steps on.
+(engine/model_runner.py) runs steps on. Over several ranks (engine/parallel.py) every rank boots its own part of
+the model (`Layout.for_rank`) on its own GPU, in lockstep: the sizing, warm-up and capture steps issue the
+model's collectives, and the ranks agree on one pool size (the smallest that fits every GPU).
 
 KV pool sizing. On CUDA the pool gets what `gpu_memory_utilization` leaves after the weights, the CUDA-graph pool
 and the peak workspace of the largest step the scheduler admits (`max_num_batched_tokens` tokens, whatever
@@ -28,9 +30,11 @@ variant. A kernel variant made after boot anyway (compiled, or loaded from Trito
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -40,12 +44,17 @@ from engine.cache.kv_cache import ModelKVCache, kv_dtype_for
 from engine.cache.layout import KVLayout
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.model.args import ModelArgs
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.linear import Layout
 from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
 from engine.model.weight_formats import Formats
 from engine.model_runner import ExpertCounts
 from engine.standalone import Standalone
+
+if TYPE_CHECKING:
+    from engine.parallel import RankGroup
 
 log = structlog.get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,12 +62,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 WARM_EVERY_SIZE_UP_TO = 64
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    """The rank's device: CUDA device `rank` of those visible (CUDA_VISIBLE_DEVICES picks them), or the CPU."""
+    kind = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 0:
         raise RuntimeError("device 'cuda' was asked for but no CUDA device is visible")
-    return torch.device(config.device)
+    if config.tensor_parallel_size > visible:
+        raise RuntimeError(
+            f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -97,6 +115,17 @@ def check_fp8_support(gpu: str, capability: tuple[int, int], kv_dtype: str, quan
         )
 
 
+def check_split(config: EngineConfig) -> None:
+    """Before any rank starts: the model splits over tensor_parallel_size ranks as `attention` says (heads by whole
+    output groups, experts evenly), or a ValueError names what does not split. Rank 0's layers are built on the
+    meta device, which allocates nothing."""
+    args = ModelArgs.from_model_dir(config.model)
+    formats = Formats.for_checkpoint(json.loads((Path(config.model) / "config.json").read_text()),
+                                     config.weight_formats)  # fmt: skip
+    with torch.device("meta"):
+        DeepseekV4(args, formats=formats, layout=Layout.for_rank(config.attention, 0, config.tensor_parallel_size))
+
+
 def under_wsl() -> bool:
     """WSL2's CUDA driver cannot pin much host memory, and pinned copies there fail or crawl."""
     try:
@@ -133,6 +162,7 @@ class Booted:
     config: EngineConfig
     context_length: int
     device: torch.device
+    parallel: Layout  # this rank's part of the model
     dtype: torch.dtype
     pin_memory: bool  # host-to-device copies from pinned memory (not under WSL2, whose driver pins little)
     model: DeepseekV4
@@ -141,13 +171,17 @@ class Booted:
     kv: ModelKVCache
     num_pages: int
     kv_cache_dtype: str
-    num_slots: int  # request slots of the cache: max_num_seqs, and one for the graphs' padding rows (the last)
+    # Request slots of the cache: max_num_seqs, and one for padding rows (the last) when the decode graphs or an
+    # idle data-parallel rank need them.
+    num_slots: int
     graphs: DecodeGraphs | None
     memory: MemoryReport
 
 
-def boot(config: EngineConfig, context_length: int) -> Booted:
-    device = resolve_device(config)
+def boot(config: EngineConfig, context_length: int, ranks: RankGroup | None = None) -> Booted:
+    rank, size = (ranks.rank, ranks.size) if ranks is not None else (0, 1)
+    parallel = Layout.for_rank(config.attention, rank, size)
+    device = resolve_device(config, rank)
     dtype = resolve_dtype(config, device)
     cuda = device.type == "cuda"
     if cuda:
@@ -159,7 +193,7 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
 
     started = time.monotonic()
     model = load_model(config.model, dtype, device, config.quant_sim, load_format=config.load_format,
-                       weight_formats=config.weight_formats)  # fmt: skip
+                       weight_formats=config.weight_formats, layout=parallel)  # fmt: skip
     if cuda:
         weights_bytes = torch.cuda.memory_allocated(device)
     else:
@@ -178,9 +212,12 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
                                      graphs)  # fmt: skip
     else:
         num_pages = config.num_kv_pages or layout.pages_for(context_length) * config.max_num_seqs
-    # The cache's pages, and a window-ring slot for each running request (and one for the graphs' padding rows).
+    if ranks is not None:  # tensor-parallel ranks run the same page tables; data-parallel ones warm up alike
+        num_pages = min(ranks.gather(num_pages))
+    # The cache's pages, and a window-ring slot for each running request (and one for padding rows).
     kv_dtype = kv_dtype_for(config.kv_cache_dtype, device, dtype)
-    cache = ModelKVCache(model.args, num_pages, config.page_size, config.max_num_seqs + graphs, kv_dtype, device)
+    padding = graphs or parallel.data_parallel
+    cache = ModelKVCache(model.args, num_pages, config.page_size, config.max_num_seqs + padding, kv_dtype, device)
     model.bind_kv_cache(cache)
     log.info(
         "boot_stage",
@@ -220,6 +257,7 @@ def boot(config: EngineConfig, context_length: int) -> Booted:
         config=config,
         context_length=context_length,
         device=device,
+        parallel=parallel,
         dtype=dtype,
         pin_memory=cuda and not under_wsl(),
         model=model,

@@ -13,6 +13,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+# How attention is spread when tensor_parallel_size > 1 (the routed experts are split over every rank either way):
+# data-parallel replicates the dense attention weights and gives each rank its own requests and KV pool (V4's one
+# shared KV head means heads-split attention copies the whole KV to every rank); tensor-parallel splits the heads,
+# every rank runs every request, and the KV is one copy per rank.
+ATTENTION_MODES = ("data-parallel", "tensor-parallel")
 
 
 def _field(default, help: str):
@@ -42,7 +47,16 @@ class EngineConfig:
         None, "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 16)"
     )
     enforce_eager: bool = _field(False, "never capture CUDA graphs: every decode step runs eagerly (for debugging)")
-    tensor_parallel_size: int = _field(1, "GPUs per model replica (only 1 until tensor parallelism exists)")
+    tensor_parallel_size: int = _field(
+        1,
+        "GPUs (one process each) the model is spread over: routed experts split over all of them, attention as "
+        "--attention says",
+    )
+    attention: str = _field(
+        "data-parallel",
+        f"one of {ATTENTION_MODES}, with tensor_parallel_size > 1: data-parallel = each GPU its own requests and KV "
+        "pool (capacity, throughput), tensor-parallel = heads split, every GPU on every request (a request's latency)",
+    )
     page_size: int = _field(256, "raw tokens per KV page: 256 tokens <-> 64 c4 rows <-> 2 c128 rows (only 256)")
     max_waiting_requests: int = _field(256, "requests that may wait for a running slot; beyond that HTTP 429")
     request_timeout_s: float | None = _field(
@@ -114,8 +128,8 @@ class EngineConfig:
             raise ValueError(
                 f"page_size must be 256 (64 c4 rows a page, as the kernels read them), got {self.page_size}"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size must be 1: tensor parallelism is not implemented yet")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

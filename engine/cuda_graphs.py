@@ -55,14 +55,10 @@ class DecodeGraphs:
         """What the graphs' private memory pool holds (its cudaMalloc'd segments)."""
         return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == self.pool)
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        return batch.decoding and len(batch.states) <= self.sizes[-1]
-
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """A prepared decode batch (`DeepseekV4.prepare`) -> its logits [B, vocab] fp32, a view of the graph's
-        output that the next replay overwrites."""
+    def replay(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        """A decode batch with its tables -> its logits [B, vocab] fp32 from the graph of batch `size` (a captured
+        size, at least B, the same on every rank), a view of the graph's output that the next replay overwrites."""
         bs = len(batch.states)
-        size = next(s for s in self.sizes if s >= bs)
         self.input_ids[:bs].copy_(batch.input_ids)
         self.positions[:bs].copy_(batch.positions)
         self.positions_i32[:bs].copy_(batch.positions_i32)

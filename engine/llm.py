@@ -10,8 +10,19 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
+    """Over several ranks (tensor_parallel_size > 1), `close()` (or leaving a `with` block) stops the others."""
+
     def __init__(self, model: str, **engine_config):
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_config))
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

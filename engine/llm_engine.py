@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import structlog
 import torch
 
-from engine.boot import MemoryReport, boot
+from engine.boot import MemoryReport, boot, check_split
 from engine.cache.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model.args import ModelArgs
 from engine.model_runner import ExpertCounts, LaunchedStep, ModelRunner
+from engine.parallel import RankGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, TokenLogprob, output_budget
@@ -73,64 +75,107 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class EngineCapacity:
-    """What the engine allocated at boot, as /server_info reports it."""
+    """What the engine allocated at boot, as /server_info reports it: over several ranks, what can be admitted (the
+    sum of the data-parallel ranks' pools; one copy of tensor-parallel ones) and each rank's GPU memory."""
 
     kv_capacity_tokens: int
     kv_pages: int
     kv_bytes_per_token: float
     per_sequence_state_bytes: int
-    memory: MemoryReport
+    memory: MemoryReport  # rank 0's
+    memory_per_rank: list[MemoryReport]
     # Requests at full context the pool holds at once (a request holds whole pages).
     max_concurrency_at_full_context: float
 
 
+def context_length_of(config: EngineConfig) -> int:
+    """The longest request: the configured context length, else the model's maximum."""
+    max_positions = ModelArgs.from_model_dir(config.model).max_position_embeddings
+    context_length = config.context_length or max_positions
+    if context_length > max_positions:
+        raise ValueError(f"context_length {context_length} exceeds the model's maximum {max_positions}")
+    return context_length
+
+
 class LLMEngine:
+    """Over several ranks (tensor_parallel_size > 1) this is rank 0, which starts the others (engine/parallel.py);
+    with data-parallel attention it holds a scheduler per rank (a replica: its own pool and request slots) and gives
+    each new request to the least loaded. `close()` stops the other ranks."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_args = ModelArgs.from_model_dir(config.model)
-        self.context_length = config.context_length or self.model_args.max_position_embeddings
-        if self.context_length > self.model_args.max_position_embeddings:
-            raise ValueError(
-                f"context_length {self.context_length} exceeds the model's maximum "
-                f"{self.model_args.max_position_embeddings}"
-            )
+        self.context_length = context_length_of(config)
         self.tokenizer = Tokenizer.from_model_dir(config.model)
-        self.booted = boot(config, self.context_length)
-        self.runner = ModelRunner(self.booted)
-        self.scheduler = Scheduler(
-            config, BlockManager(self.booted.num_pages, config.page_size, config.max_num_seqs), self.runner.release
-        )
-        # One request alone must always fit the pool, so no request grows past it (see scheduler.py).
-        self.max_request_tokens = min(self.context_length, self.kv_capacity_tokens)
+        if config.tensor_parallel_size > 1:
+            check_split(config)
+        self.ranks = RankGroup.start(config)
+        try:
+            self.booted = boot(config, self.context_length, self.ranks)
+            self.runner = ModelRunner(self.booted, self.ranks)
+            # Ready once every rank is: each reports its GPU memory.
+            self.memory_per_rank = self.ranks.gather(self.booted.memory) if self.ranks else [self.booted.memory]
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
+        self.schedulers = [
+            Scheduler(
+                config,
+                BlockManager(self.booted.num_pages, config.page_size, config.max_num_seqs),
+                partial(self.runner.release, replica=replica),
+            )  # fmt: skip
+            for replica in range(len(self.runner.planners))
+        ]
+        # One request alone must always fit its replica's pool, so no request grows past it (see scheduler.py).
+        self.max_request_tokens = min(self.context_length, self.booted.num_pages * config.page_size)
         self.sequences: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # the step on the device whose tokens are still to be read
         self.overlap = True  # False: read every step's tokens before the next is scheduled (tests compare the two)
         self.failed_steps = 0  # steps in a row that failed as a whole
+        self.broken = False  # a step failed over several ranks: they no longer agree
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first replica's scheduler: the only one unless attention is data-parallel."""
+        return self.schedulers[0]
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.scheduler.blocks.capacity_tokens
+        return sum(s.blocks.capacity_tokens for s in self.schedulers)
 
     def load(self) -> EngineLoad:
-        scheduler = self.scheduler
         return EngineLoad(
-            kv_capacity_tokens=scheduler.blocks.capacity_tokens,
-            kv_used_tokens=scheduler.blocks.used_tokens,
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            preemptions=scheduler.num_preemptions,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_used_tokens=sum(s.blocks.used_tokens for s in self.schedulers),
+            running=sum(len(s.running) for s in self.schedulers),
+            waiting=sum(len(s.waiting) for s in self.schedulers),
+            preemptions=sum(s.num_preemptions for s in self.schedulers),
         )
 
     def capacity(self) -> EngineCapacity:
-        booted = self.booted
+        booted, replicas = self.booted, len(self.schedulers)
+        full_context = booted.num_pages / booted.layout.pages_for(self.context_length)
         return EngineCapacity(
             kv_capacity_tokens=self.kv_capacity_tokens,
-            kv_pages=booted.num_pages,
+            kv_pages=booted.num_pages * replicas,
             kv_bytes_per_token=booted.layout.bytes_per_token,
             per_sequence_state_bytes=booted.layout.per_sequence_state_bytes,
             memory=booted.memory,
-            max_concurrency_at_full_context=round(booted.num_pages / booted.layout.pages_for(self.context_length), 2),
+            memory_per_rank=self.memory_per_rank,
+            max_concurrency_at_full_context=round(full_context * replicas, 2),
         )
+
+    def close(self) -> None:
+        """Stop the other ranks (after the last step; killed where they are when a step failed): no process keeps a
+        GPU."""
+        if self.ranks is None:
+            return
+        if self.broken:
+            self.ranks.kill()
+        else:
+            self.runner.synchronize()
+            self.ranks.close()
 
     @property
     def expert_counts(self) -> ExpertCounts:
@@ -157,19 +202,26 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.context_length:
             raise ValueError(f"the prompt has {len(ids)} tokens; context_length is {self.context_length}")
-        if len(ids) >= self.kv_capacity_tokens:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {self.kv_capacity_tokens}")
+        pool = self.booted.num_pages * self.config.page_size
+        if len(ids) >= pool:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {pool}")
         seq = Sequence(ids, params, self.tokenizer.detokenizer())
         seq.max_output = output_budget(len(ids), params.max_tokens, self.max_request_tokens)
         if request_id is not None:
             seq.request_id = request_id
+        # The replica with the fewest requests, then the most free pages.
+        seq.replica = min(range(len(self.schedulers)), key=lambda r: self._replica_load(self.schedulers[r]))
         self.sequences[seq.request_id] = seq
-        self.scheduler.add(seq)
+        self.schedulers[seq.replica].add(seq)
         return seq.request_id
+
+    @staticmethod
+    def _replica_load(scheduler: Scheduler) -> tuple[int, int]:
+        return len(scheduler.running) + len(scheduler.waiting), -scheduler.blocks.num_free
 
     def has_unfinished(self) -> bool:
         in_flight = self.in_flight.seqs if self.in_flight is not None else ()
-        return self.scheduler.has_work() or any(not seq.finished for seq in in_flight)
+        return any(s.has_work() for s in self.schedulers) or any(not seq.finished for seq in in_flight)
 
     def step(self) -> list[RequestOutput]:
         """Queue the next batch, then read the tokens of the one before it (and of this one when it samples on the
@@ -178,12 +230,16 @@ class LLMEngine:
         A request's failure is its own: one whose sampling or text fails ends with finish_reason "error" and the
         others go on. A step that fails as a whole fails the requests it held, not the engine, unless the device
         itself is broken (a CUDA error is sticky: synchronizing raises it again) or MAX_FAILED_STEPS steps in a
-        row fail, which no request's input explains."""
-        work = self.scheduler.schedule()
+        row fail, which no request's input explains. Over several ranks a failed step ends the engine: the ranks
+        would no longer agree on the steps they run."""
+        work = [item for scheduler in self.schedulers for item in scheduler.schedule()]
         previous, self.in_flight = self.in_flight, None
         try:
             launched = self.runner.launch(work, previous) if work else None
         except Exception as error:
+            if self.ranks is not None:
+                self.broken = True
+                raise
             self.runner.synchronize()
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:
@@ -217,7 +273,7 @@ class LLMEngine:
         """End one request that failed inside the engine: its pages go back, its output says why."""
         log.exception("request_error", request_id=seq.request_id, error=repr(error), exc_info=error)
         self.sequences.pop(seq.request_id, None)
-        self.scheduler.finish(seq, "error")
+        self.schedulers[seq.replica].finish(seq, "error")
         output = self._output(seq, "error", "", ())
         output.error = f"{type(error).__name__}: {error}"
         return output
@@ -227,7 +283,7 @@ class LLMEngine:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq, reason)
+        self.schedulers[seq.replica].finish(seq, reason)
         seq.text += seq.detokenizer.flush()
         sent, seq.num_text_sent = seq.num_text_sent, len(seq.text)
         return self._output(seq, reason, seq.text[sent:], ())
@@ -251,7 +307,7 @@ class LLMEngine:
         if reason is not None:
             if cut is None:
                 seq.text += seq.detokenizer.flush()  # the last bytes of a cut character, if any
-            self.scheduler.finish(seq, reason)
+            self.schedulers[seq.replica].finish(seq, reason)
             del self.sequences[seq.request_id]
         # A delta never holds text that a stop string may still cut away, so streamed text equals the final text.
         sent = seq.num_text_sent

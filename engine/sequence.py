@@ -56,6 +56,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_computed: int = 0  # tokens the model has processed
     state: SequenceState | None = None
+    replica: int = 0  # the data-parallel rank whose scheduler, pool and device run it (0 unless there are several)
     # What the scheduler's block manager gave it while it runs: a request slot, and the pages of its tokens.
     slot: int | None = None
     page_table: PageTable = field(default_factory=PageTable)

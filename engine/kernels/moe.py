@@ -337,12 +337,12 @@ def _down_kernel(
 
 
 def group_pairs_by_expert_reference(
-    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None
+    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None, counted: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A stable counting sort of the (token, pick) pairs by expert, in plain torch: order [P] (pair ids grouped by
     expert), offsets [E + 1] (expert e's pairs are order[offsets[e]:offsets[e + 1]]), active [E] (the experts that
-    have pairs in ascending order, then E). touched, a one-element int64 counter, gets the number of experts that
-    have pairs added."""
+    have pairs in ascending order, then E). touched, a one-element int64 counter, gets the number of experts below
+    `counted` (default: all) that have pairs added."""
     experts = torch.arange(n_experts, device=flat_ids.device)
     one_hot = (flat_ids[:, None] == experts).int()  # [P, E]; F.one_hot would check the ids' range on the host
     counts = one_hot.sum(0)
@@ -354,7 +354,7 @@ def group_pairs_by_expert_reference(
     order.scatter_(0, offsets[flat_ids] + within, torch.arange(len(flat_ids), device=flat_ids.device))
     has_pairs = counts > 0
     if touched is not None:
-        touched += has_pairs.sum()
+        touched += has_pairs[:counted].sum()
     # Experts without pairs all land on the spare slot E, which is cut off.
     active = torch.full((n_experts + 1,), n_experts, dtype=torch.long, device=flat_ids.device)
     rank = torch.where(has_pairs, has_pairs.cumsum(0) - 1, n_experts)
@@ -367,12 +367,13 @@ def group_pairs_by_expert_reference(
 def _group_pairs_kernel(
     ids_ptr, order_ptr, offsets_ptr, active_ptr, touched_ptr, P,
     E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_MINE: tl.constexpr, BLOCK_P: tl.constexpr, COUNT: tl.constexpr,
+    COUNTED: tl.constexpr,
 ):  # fmt: skip
     """One program: the experts [pid * BLOCK_MINE, +BLOCK_MINE). Every program counts all pairs by expert (a
     histogram), which gives its experts' offsets and active slots; then it places its experts' pairs, each at its
     expert's offset plus the number of earlier pairs of that expert (a running count and a prefix sum along the
     pairs), so the order within an expert is the pairs' order. Programs write disjoint entries. With COUNT, the
-    first program adds the number of experts with pairs to *touched_ptr."""
+    first program adds the number of experts below COUNTED with pairs to *touched_ptr."""
     e = tl.arange(0, BLOCK_E)
     mine = tl.program_id(0) * BLOCK_MINE + tl.arange(0, BLOCK_MINE)
     q = tl.arange(0, BLOCK_P)
@@ -387,7 +388,8 @@ def _group_pairs_kernel(
     slot = tl.sum((before & has[:, None]).to(tl.int32), axis=0)
     n_active = tl.sum(has.to(tl.int32), axis=0)
     if COUNT:
-        tl.atomic_add(touched_ptr, n_active.to(tl.int64), mask=tl.program_id(0) == 0)
+        n_counted = tl.sum((has & (e < COUNTED)).to(tl.int32), axis=0)
+        tl.atomic_add(touched_ptr, n_counted.to(tl.int64), mask=tl.program_id(0) == 0)
     own = tl.sum(tl.where(e[:, None] == mine[None, :], counts[:, None], 0), axis=0)
     in_range = mine < E
     tl.store(offsets_ptr + mine + 1, start + own, mask=in_range)
@@ -405,8 +407,8 @@ def _group_pairs_kernel(
 
 
 def group_pairs_by_expert_triton(
-    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None, block_mine: int = 4,
-    num_warps: int = 4,
+    flat_ids: torch.Tensor, n_experts: int, touched: torch.Tensor | None = None, counted: int | None = None,
+    block_mine: int = 4, num_warps: int = 4,
 ):  # fmt: skip
     """group_pairs_by_expert_reference in one launch of cdiv(E, block_mine) programs (the grid depends on E only)."""
     pairs = flat_ids.numel()
@@ -417,19 +419,21 @@ def group_pairs_by_expert_triton(
     _group_pairs_kernel[(triton.cdiv(n_experts, block_mine),)](
         flat_ids, order, offsets, active, flat_ids if touched is None else touched, pairs, E=n_experts,
         BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_MINE=block_mine,
-        BLOCK_P=min(512, max(16, triton.next_power_of_2(pairs))), COUNT=touched is not None, num_warps=num_warps,
+        BLOCK_P=min(512, max(16, triton.next_power_of_2(pairs))), COUNT=touched is not None,
+        COUNTED=n_experts if counted is None else counted, num_warps=num_warps,
     )  # fmt: skip
     return order, offsets, active
 
 
-def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None):
+def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None, remote=False):
     """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D]; w2 [E, D, I] -> [N * k, D] in x's dtype: each
-    (token, pick) pair's routed output, pair t * k + j for token t's pick j (moe_combine sums them). touched, a
-    one-element int64 counter, gets the number of distinct experts picked added."""
+    (token, pick) pair's routed output, pair t * k + j for token t's pick j (moe_combine sums them). An id of E is a
+    pick of an expert another rank holds (`remote`: there may be some): its row is zero. touched, a one-element
+    int64 counter, gets the number of distinct experts picked (of the E) added."""
     n, top_k = ids.shape
     out = torch.zeros(n * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     flat, flat_weights = ids.reshape(-1), weights.reshape(-1)
-    experts = torch.unique(flat).tolist()
+    experts = [e for e in torch.unique(flat).tolist() if e < len(w1)]
     if touched is not None:
         touched += len(experts)
     for e in experts:
@@ -441,11 +445,12 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None)
 
 
 def moe_expert_pairs_triton(
-    x, weights, ids, w1, w3, w2, limit, touched=None, block_m: int | None = None, block_i: int = 32,
+    x, weights, ids, w1, w3, w2, limit, touched=None, remote=False, block_m: int | None = None, block_i: int = 32,
     block_d: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
 ):  # fmt: skip
     """Three launches: the counting sort (which counts the experts touched), then gate/up and down over the active
-    experts."""
+    experts (`remote`: the sort has a bucket E for the other ranks' picks, which no program computes, and the output
+    starts zeroed)."""
     n, dim = x.shape
     n_experts, inter, _ = w1.shape
     top_k = ids.shape[1]
@@ -458,20 +463,17 @@ def moe_expert_pairs_triton(
     if inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or w1.stride() != w3.stride():
         raise ValueError(f"expert shapes D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}")
     x = x.contiguous()
-    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), n_experts, touched)
-    slots = min(n_experts, pairs)
-    active = active[:slots]
+    order, offsets, active, y = sort_pairs(ids, n_experts, touched, remote, dim, x)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
-    y = torch.empty(pairs, dim, dtype=x.dtype, device=x.device)
     f32_dot = x.dtype == torch.float32 or interpreting()
-    _gate_up_kernel[(slots, inter // block_i)](
+    _gate_up_kernel[(len(active), inter // block_i)](
         x, w1, w3, order, weights.reshape(-1), active, offsets, h,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), limit,
         E=n_experts, TOP_K=top_k, D=dim, CLAMP=limit > 0,
         BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _down_kernel[(slots, dim // block_d)](
+    _down_kernel[(len(active), dim // block_d)](
         h, w2, order, active, offsets, y,
         h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         E=n_experts, INTER=inter, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot,
@@ -480,9 +482,19 @@ def moe_expert_pairs_triton(
     return y
 
 
-def moe_expert_pairs(x, weights, ids, w1, w3, w2, limit, touched=None):
+def sort_pairs(ids, n_experts: int, touched, remote: bool, dim: int, x: torch.Tensor):
+    """The expert kernels' set-up: the pairs' counting sort (with a bucket E for other ranks' picks when `remote`),
+    the active experts a program each, and the output rows (zeroed when some stay uncomputed)."""
+    buckets = n_experts + remote
+    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), buckets, touched, counted=n_experts)
+    pairs = ids.numel()
+    out = (torch.zeros if remote else torch.empty)(pairs, dim, dtype=x.dtype, device=x.device)
+    return order, offsets, active[: min(buckets, pairs)], out
+
+
+def moe_expert_pairs(x, weights, ids, w1, w3, w2, limit, touched=None, remote=False):
     impl = moe_expert_pairs_triton if use_triton(x.device) else moe_expert_pairs_reference
-    return impl(x, weights, ids, w1, w3, w2, limit, touched)
+    return impl(x, weights, ids, w1, w3, w2, limit, touched, remote)
 
 
 def moe_experts_triton(x, weights, ids, w1, w3, w2, limit, **launch):

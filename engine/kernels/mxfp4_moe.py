@@ -34,18 +34,20 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import interpreting, use_triton
-from engine.kernels.moe import _dot, group_pairs_by_expert_triton, moe_expert_pairs_reference
+from engine.kernels.moe import _dot, moe_expert_pairs_reference, sort_pairs
 from engine.kernels.quant import dequantize_fp4_weight
 from engine.kernels.scales import pow2
 
 MX_BLOCK = 32  # values per ue8m0 scale
 
 
-def moe_expert_pairs_mxfp4_reference(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None):
+def moe_expert_pairs_mxfp4_reference(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None,
+                                     remote=False):  # fmt: skip
     """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D/2] packed e2m1 with ue8m0 scales [E, I, D/32]; w2
     [E, D, I/2] with [E, D, I/32] -> [N * k, D] in x's dtype: moe_expert_pairs_reference over the picked experts'
-    weights dequantized (exactly) to x's dtype."""
+    weights dequantized (exactly) to x's dtype (an id of E, another rank's expert, the last of them: a zero row)."""
     experts, local = torch.unique(ids, return_inverse=True)
+    experts = experts[experts < len(w1)]
 
     def dequantized(w, scale):
         return dequantize_fp4_weight(w[experts], scale[experts], x.dtype)
@@ -156,8 +158,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def moe_expert_pairs_mxfp4_triton(
-    x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None, block_m: int | None = None,
-    block_i: int = 32, block_d: int = 64, block_k: int = 256, num_warps: int = 4, num_stages: int = 4,
+    x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None, remote=False,
+    block_m: int | None = None, block_i: int = 32, block_d: int = 64, block_k: int = 256, num_warps: int = 4,
+    num_stages: int = 4,
 ):  # fmt: skip
     """Three launches, as moe.moe_expert_pairs_triton: the counting sort (which counts the experts touched), then
     gate/up and down over the active experts. block_k counts values (two a byte), a multiple of 32."""
@@ -179,20 +182,17 @@ def moe_expert_pairs_mxfp4_triton(
         raise ValueError(f"MXFP4 experts D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}, or their "
                          "codes / scales are not laid out alike with K contiguous")  # fmt: skip
     x = x.contiguous()
-    order, offsets, active = group_pairs_by_expert_triton(ids.reshape(-1), n_experts, touched)
-    slots = min(n_experts, pairs)
-    active = active[:slots]
+    order, offsets, active, y = sort_pairs(ids, n_experts, touched, remote, dim, x)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
-    y = torch.empty(pairs, dim, dtype=x.dtype, device=x.device)
     f32_dot = x.dtype == torch.float32 or interpreting()
-    _mxfp4_gate_up_kernel[(slots, inter // block_i)](
+    _mxfp4_gate_up_kernel[(len(active), inter // block_i)](
         x, w1, s1, w3, s3, order, weights.reshape(-1), active, offsets, h,
         x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), limit,
         E=n_experts, TOP_K=top_k, D=dim, CLAMP=limit > 0,
         BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _mxfp4_down_kernel[(slots, dim // block_d)](
+    _mxfp4_down_kernel[(len(active), dim // block_d)](
         h, w2, s2, order, active, offsets, y,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         E=n_experts, INTER=inter, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot,
@@ -201,7 +201,8 @@ def moe_expert_pairs_mxfp4_triton(
     return y
 
 
-def moe_expert_pairs_mxfp4(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None):
+def moe_expert_pairs_mxfp4(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched=None,
+                           remote=False):  # fmt: skip
     """The Triton kernels on CUDA, the reference elsewhere."""
     impl = moe_expert_pairs_mxfp4_triton if use_triton(x.device) else moe_expert_pairs_mxfp4_reference
-    return impl(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched)
+    return impl(x, weights, ids, w1, w1_scale, w3, w3_scale, w2, w2_scale, limit, touched, remote)

@@ -107,8 +107,14 @@ class Attention(nn.Module):
         super().__init__()
         formats, layout = formats or Formats(), layout or Layout()
         self.layer_id = layer_id
-        self.n_heads, self.head_dim, self.window = args.num_attention_heads, args.head_dim, args.sliding_window
-        self.n_groups, self.o_lora_rank, self.eps = args.o_groups, args.o_lora_rank, args.rms_norm_eps
+        shard, p = layout.attention, f"{args.block_name(layer_id)}.attn"
+        # A rank's heads (all of them unless attention is tensor-parallel): whole output-projection groups.
+        first_group, self.n_groups = shard.part(args.o_groups, f"{p}.wo_a groups")
+        heads_per_group = args.num_attention_heads // args.o_groups
+        self.n_heads = heads_per_group * self.n_groups
+        self.heads = slice(first_group * heads_per_group, first_group * heads_per_group + self.n_heads)
+        self.head_dim, self.window = args.head_dim, args.sliding_window
+        self.o_lora_rank, self.eps = args.o_lora_rank, args.rms_norm_eps
         self.ratio, self.quant_sim = args.compress_ratios[layer_id], quant_sim
         self.scale = self.head_dim**-0.5
         if self.ratio:  # compressed layers use the YaRN-scaled base; window-only layers the plain one
@@ -117,7 +123,8 @@ class Attention(nn.Module):
             self.rotary = Rotary(args.qk_rope_head_dim, args.rope_theta, None)
         self.q_norm = RMSNorm(args.q_lora_rank, self.eps)
         self.kv_norm = RMSNorm(self.head_dim, self.eps)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        # Every head's sink (a plain tensor of the checkpoint); the rank's own are `sink`.
+        self.attn_sink = nn.Parameter(torch.zeros(args.num_attention_heads, dtype=torch.float32))
         self.compressor = (
             Compressor(args, self.ratio, self.head_dim, self.rotary, for_indexer=False, quant_sim=quant_sim)
             if self.ratio
@@ -128,10 +135,9 @@ class Attention(nn.Module):
         # Projections that read the same input, as few GEMMs as their formats allow: of x, wq_a, wkv and the
         # indexer's weights_proj (shared by all heads: replicated); of the normed q LoRA, wq_b (split by heads) and
         # the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
-        dim, shard, p = args.hidden_size, layout.attention, f"{args.block_name(layer_id)}.attn"
-        index = self.indexer
+        dim, index = args.hidden_size, self.indexer
         x_members = [(f"{p}.wq_a", args.q_lora_rank, False), (f"{p}.wkv", self.head_dim, False)]
-        qr_members = [(f"{p}.wq_b", self.n_heads * self.head_dim, True)]
+        qr_members = [(f"{p}.wq_b", args.num_attention_heads * self.head_dim, True)]
         if index is not None:
             x_members.append((f"{p}.indexer.weights_proj", index.n_heads, False))
             qr_members.append((f"{p}.indexer.wq_b", index.n_heads * index.head_dim, False))
@@ -142,10 +148,15 @@ class Attention(nn.Module):
         compressors = [(f"{p}.compressor", self.compressor), (f"{p}.indexer.compressor", index and index.compressor)]
         fp32_members = [(f"{name}.{w}", c.width, fp32, False) for name, c in compressors if c for w in ("wkv", "wgate")]
         self.x_fp32_proj = ProjectionGroup(dim, fp32_members, shard) if fp32_members else None
-        self.wo_a = GroupedColumnLinear(self.n_groups, self.n_heads * self.head_dim // self.n_groups,
-                                        self.o_lora_rank, f"{p}.wo_a", formats.linear(f"{p}.wo_a"), shard)  # fmt: skip
-        self.wo_b = RowParallelLinear(self.n_groups * self.o_lora_rank, [(f"{p}.wo_b", dim)],
+        self.wo_a = GroupedColumnLinear(args.o_groups, heads_per_group * self.head_dim, self.o_lora_rank, f"{p}.wo_a",
+                                        formats.linear(f"{p}.wo_a"), shard)  # fmt: skip
+        self.wo_b = RowParallelLinear(args.o_groups * self.o_lora_rank, [(f"{p}.wo_b", dim)],
                                       formats.linear(f"{p}.wo_b"), shard)  # fmt: skip
+
+    @property
+    def sink(self) -> torch.Tensor:
+        """The attention sinks of this rank's heads."""
+        return self.attn_sink[self.heads]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         pos = batch.positions
@@ -240,7 +251,7 @@ class Attention(nn.Module):
             elif self.compressor is not None:
                 rows = int(visible[b].max())
                 parts.append((compressed[:rows], torch.arange(rows, device=q.device)[None, :] < visible[b, None]))
-            out[b] = attend_parts_with_sink(q[b], parts, self.attn_sink, self.scale)
+            out[b] = attend_parts_with_sink(q[b], parts, self.sink, self.scale)
         return out
 
     def _prefill_kernels(self, q, proj, positions, p0, span, comp_slots, page_table) -> torch.Tensor:
@@ -291,7 +302,7 @@ class Attention(nn.Module):
             else:
                 picked = lists.as_strided((m, lists.shape[1]), (0, 1))
             splits = splits_for(width, q.device, waves=1, cap=16)
-            sparse_decode_attention_triton(q[b], self.attn_sink, self.scale, span, own_row[b], positions[b], comp_rows,
+            sparse_decode_attention_triton(q[b], self.sink, self.scale, span, own_row[b], positions[b], comp_rows,
                                            rows_per_page, picked, lengths[b], out[b], window, self.rotary.rope_dim,
                                            window_span=True, splits=splits)  # fmt: skip
         return out
@@ -326,6 +337,6 @@ class Attention(nn.Module):
             comp_slots = torch.empty(len(positions), self.indexer.topk, dtype=torch.int32, device=q.device)
             topk_slots(logits, visible, batch.page_table, self.indexer.topk, comp_slots)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        return sparse_decode_attention(q, self.attn_sink, self.scale, cache.ring.storage, batch.slots, positions,
+        return sparse_decode_attention(q, self.sink, self.scale, cache.ring.storage, batch.slots, positions,
                                        comp_rows, rows_per_page, comp_slots, comp_len, out, self.window,
                                        self.rotary.rope_dim)  # fmt: skip

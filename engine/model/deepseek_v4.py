@@ -44,7 +44,9 @@ class Block(nn.Module):
         out = self.attn(self.attn_norm(x), batch)
         streams, mix = HyperConnection.post_mix(out, streams, post, comb, self.hc_ffn.fn)
         x, post, comb = self.hc_ffn.pre(streams, mix)
-        return HyperConnection.post_mix(self.ffn(self.ffn_norm(x), batch.input_ids), streams, post, comb, next_fn)
+        return HyperConnection.post_mix(
+            self.ffn(self.ffn_norm(x), batch.input_ids, batch.moe_rows), streams, post, comb, next_fn
+        )
 
 
 class MTPLayer(Block):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from engine.distributed import all_reduce
 from engine.model.weight_formats import Region, WeightFormat
 from engine.model.weights import WeightEntry
 
@@ -104,7 +104,12 @@ class GroupedColumnLinear(ColumnParallelLinear):
 
 class RowParallelLinear(Linear):
     """Each rank holds 1/size of the input columns, multiplies its slice of the input, and the partial outputs are
-    summed over the group."""
+    summed over the group — unless `reduce` is False: the caller adds more partial sums first and reduces once."""
+
+    def __init__(self, in_features: int, members: Sequence[tuple[str, int]], fmt: WeightFormat, shard: Shard = Shard(),
+                 reduce: bool = True):  # fmt: skip
+        super().__init__(in_features, members, fmt, shard)
+        self.reduce = reduce
 
     def region(self, rows, cols, name):
         start, length = self.shard.part(cols, f"{name} input features")
@@ -112,8 +117,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fmt.linear(self.params(), x)
-        if self.shard.size > 1:
-            dist.all_reduce(y)
+        if self.reduce and self.shard.size > 1:
+            all_reduce(y)
         return y
 
 
@@ -150,7 +155,21 @@ class ProjectionGroup(nn.Module):
 
 @dataclass(frozen=True)
 class Layout:
-    """How the model's layers are split over the ranks of one host."""
+    """How the model's layers are split over the ranks of one host. Embedding and head are replicated: every rank
+    makes full logits, as grammar masks and sampling need them."""
 
     attention: Shard = Shard()  # dense attention weights and the shared expert (size 1 when attention is replicated)
     experts: Shard = Shard()  # the routed experts, a range per rank
+    # Each rank runs its own requests through replicated attention; the MoE gathers every rank's tokens for the
+    # experts and hands each rank back its own rows.
+    data_parallel: bool = False
+
+    @classmethod
+    def for_rank(cls, attention: str, rank: int, size: int) -> Layout:
+        """The layout of `rank` of `size` with attention "data-parallel" or "tensor-parallel" (EngineConfig)."""
+        if size == 1:
+            return cls()
+        split = Shard(rank, size)
+        if attention == "tensor-parallel":
+            return cls(attention=split, experts=split)
+        return cls(experts=split, data_parallel=True)

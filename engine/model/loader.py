@@ -17,6 +17,7 @@ from safetensors import safe_open
 from engine.model.args import ModelArgs
 from engine.model.checkpoint_names import canonical_name, official_to_hf
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.linear import Layout
 from engine.model.random_init import randomize
 from engine.model.weight_formats import Formats
 from engine.model.weights import WeightEntry, plain_tensors, weight_entries
@@ -96,11 +97,13 @@ def load_model(
     progress: Progress | None = None,
     load_format: str = "auto",
     weight_formats: str = "as_stored",
+    layout: Layout | None = None,
 ) -> DeepseekV4:
     """`load_format` "dummy": the directory's config.json with seeded random weights made on `device`. Otherwise
     each layer's members are handed to the layer's weight format as stored, and every other tensor is copied into
     its parameter (cast to the parameter's dtype). `weight_formats`: keep the formats config.json declares (FP8
-    dense linears, MXFP4 experts) or hold every weight dequantized in `dtype` (Formats.for_checkpoint)."""
+    dense linears, MXFP4 experts) or hold every weight dequantized in `dtype` (Formats.for_checkpoint). `layout`:
+    the rank's part of the model, of which only its share of each tensor is kept."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_model_dir(model_dir)
     formats = Formats.for_checkpoint(json.loads((model_dir / "config.json").read_text()), weight_formats)
@@ -111,7 +114,8 @@ def load_model(
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                model = randomize(DeepseekV4(args, quant_sim=quant_sim, formats=formats), seed=0).cast(dtype)
+                model = randomize(DeepseekV4(args, quant_sim=quant_sim, formats=formats, layout=layout),
+                                  seed=0).cast(dtype)  # fmt: skip
         finally:
             torch.set_default_dtype(default_dtype)
         log.info("weights_loaded", model=str(model_dir), load_format="dummy", formats=formats.describe())
@@ -124,7 +128,7 @@ def load_model(
             args, num_nextn_predict_layers=0, compress_ratios=args.compress_ratios[: args.num_hidden_layers]
         )
     with torch.device(device):
-        model = DeepseekV4(args, quant_sim=quant_sim, formats=formats).cast(dtype)
+        model = DeepseekV4(args, quant_sim=quant_sim, formats=formats, layout=layout).cast(dtype)
     entries, plain = list(weight_entries(model)), plain_tensors(model)
     started, total = time.monotonic(), len(entries) + len(plain)
     with torch.no_grad():

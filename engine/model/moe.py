@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from engine.distributed import all_reduce, gather_rows, reduce_scatter_rows
 from engine.kernels.moe import gate_route, moe_combine, shared_swiglu
 from engine.model.linear import Layout, ProjectionGroup, RowParallelLinear, Shard
 from engine.model.weight_formats import Formats, Region, WeightFormat
@@ -55,13 +56,14 @@ class ExpertWeights(nn.Module):
 class Experts(nn.Module):
     """The routed experts [first, first + count) of `n_experts` (all of them on one GPU; a range per rank when they
     are split): w1 (gate) and w3 (up) [count, I, D], w2 (down) [count, D, I]; checkpoint members
-    `{prefix}.{e}.w1` ... with e the global expert id."""
+    `{prefix}.{e}.w1` ... with e the global expert id. A pick of an expert another rank holds gives a zero row."""
 
     def __init__(self, n_experts: int, dim: int, inter: int, limit: float, prefix: str, fmt: WeightFormat,
                  shard: Shard):  # fmt: skip
         super().__init__()
         self.limit, self.prefix, self.fmt = limit, prefix, fmt
         self.first, self.count = shard.part(n_experts, f"{prefix} experts")
+        self.split = shard.size > 1
         self.shapes = {"w1": (inter, dim), "w3": (inter, dim), "w2": (dim, inter)}
         self.w1, self.w3, self.w2 = (ExpertWeights(self.count, *self.shapes[w], fmt) for w in ("w1", "w3", "w2"))
 
@@ -77,31 +79,45 @@ class Experts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, touched: torch.Tensor | None = None
     ) -> torch.Tensor:
         """[N * k, D] in x's dtype, one row a (token, pick) pair: the grouped GEMM on CUDA, the reference's loop over
-        picked experts elsewhere; the number of distinct experts picked is added to `touched` when given."""
+        picked experts elsewhere; the number of distinct experts of this rank picked is added to `touched` when
+        given. `ids` are global: the kernels see this rank's experts as 0 .. count - 1 and any other pick as `count`
+        (its row stays zero)."""
+        if self.split:
+            local = ids - self.first
+            ids = torch.where((local >= 0) & (local < self.count), local, self.count)
         return self.fmt.expert_pairs(self.w1.params(), self.w3.params(), self.w2.params(), x, weights, ids,
-                                     self.limit, touched)  # fmt: skip
+                                     self.limit, touched, remote=self.split)  # fmt: skip
 
 
 class SharedExpert(nn.Module):
     """Every token, weight 1: dense matmuls (cuBLAS streams the matrices at full bandwidth). It stays out of the
     grouped GEMM because its weights are separate tensors and, in V4-Flash checkpoints, in another format (FP8) than
-    the routed experts (FP4). w1 and w3 are one merged GEMM (split by output features), w2 row-parallel."""
+    the routed experts (FP4). w1 and w3 are one merged GEMM (split by output features), w2 row-parallel, its
+    partial sums left for the MoE's one reduction."""
 
     def __init__(self, dim: int, inter: int, limit: float, prefix: str, formats: Formats, shard: Shard):
         super().__init__()
         self.limit = limit
         self.gate_up = ProjectionGroup(dim, [(f"{prefix}.{w}", inter, formats.linear(f"{prefix}.{w}"), True)
                                              for w in ("w1", "w3")], shard)  # fmt: skip
-        self.w2 = RowParallelLinear(inter, [(f"{prefix}.w2", dim)], formats.linear(f"{prefix}.w2"), shard)
+        self.w2 = RowParallelLinear(inter, [(f"{prefix}.w2", dim)], formats.linear(f"{prefix}.w2"), shard,
+                                    reduce=False)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, D] in x's dtype."""
+        """[N, D] in x's dtype (this rank's partial sum when the shared expert is split)."""
         gate, up = self.gate_up(x)
         return self.w2(shared_swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
-    """`formats`, `layout`: the model's (engine/model/deepseek_v4.py); by default plain weights on one GPU."""
+    """`formats`, `layout`: the model's (engine/model/deepseek_v4.py); by default plain weights on one GPU.
+
+    Over several ranks each holds a range of the routed experts and computes the pairs that picked them. With
+    tensor-parallel attention every rank has the same tokens: its routed pairs and its part of the (split) shared
+    expert are summed per token, then over the ranks, one all-reduce. With data-parallel attention each rank has its
+    own tokens: they are gathered (padded to the step's agreed rows), routed on every rank alike, each rank's pairs
+    summed per token, and the sums over the ranks scattered back, each rank its own rows; the shared expert
+    (replicated) runs on the rank's own tokens."""
 
     def __init__(self, args, layer_id: int, formats: Formats | None = None, layout: Layout | None = None):
         super().__init__()
@@ -117,14 +133,23 @@ class MoE(nn.Module):
         )
         self.experts = Experts(args.n_routed_experts, dim, inter, args.swiglu_limit, f"{prefix}.experts",
                                formats.experts, layout.experts)  # fmt: skip
+        self.data_parallel = layout.data_parallel
         self.shared_experts = SharedExpert(dim, inter, args.swiglu_limit, f"{prefix}.shared_experts", formats,
                                            layout.attention)  # fmt: skip
         # A one-element int64 counter on the device that each call adds its distinct routed experts to (a CUDA graph
         # keeps the address it was captured with), or None. Not a buffer: the runner owns the counters.
         self.touched: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, moe_rows: int | None = None) -> torch.Tensor:
         """x [N, D] -> [N, D] in x's dtype: each token's k routed outputs summed in fp32 in pick order, plus the
-        shared expert, rounded once."""
+        shared expert, rounded once (on one rank). `moe_rows`: ForwardBatch's."""
+        if self.data_parallel:
+            rows = moe_rows or len(x)
+            tokens, token_ids = gather_rows(x, rows), gather_rows(input_ids, rows)
+            weights, ids = self.gate(tokens, token_ids)
+            pairs = self.experts(tokens, weights, ids, self.touched)
+            routed = reduce_scatter_rows(moe_combine(pairs, torch.zeros_like(tokens), ids.shape[1]))
+            return routed[: len(x)] + self.shared_experts(x)
         weights, ids = self.gate(x, input_ids)
-        return moe_combine(self.experts(x, weights, ids, self.touched), self.shared_experts(x), ids.shape[1])
+        out = moe_combine(self.experts(x, weights, ids, self.touched), self.shared_experts(x), ids.shape[1])
+        return all_reduce(out) if self.experts.split else out

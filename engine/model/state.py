@@ -37,6 +37,9 @@ class ForwardBatch:
     slots: torch.Tensor | None = field(init=False, default=None)  # [B] int32 window-ring slots
     positions_i32: torch.Tensor | None = field(init=False, default=None)  # [B] int32, decode only
     page_table: torch.Tensor | None = field(init=False, default=None)  # [B, max pages] int32
+    # Data-parallel ranks: the token rows every rank pads its batch to for the MoE's gathers, agreed for the step;
+    # None when every rank runs a batch of this one's shape (boot's warm-up, the decode graphs' capture).
+    moe_rows: int | None = field(init=False, default=None)
     # Tensors a step derives once for all its layers (`per_step`): key -> (the layer that made it, value).
     _per_step: dict[Any, tuple[int, Any]] = field(init=False, default_factory=dict, repr=False)
 

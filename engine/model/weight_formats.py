@@ -78,9 +78,10 @@ class WeightFormat:
         raise NotImplementedError
 
     def expert_pairs(self, w1: dict, w3: dict, w2: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     limit: float, touched: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                     limit: float, touched: torch.Tensor | None, remote: bool = False) -> torch.Tensor:  # fmt: skip
         """The routed experts' clamped SwiGLU, each (token, pick) pair a row [N * k, D] weighted by its routing
-        weight; `touched` counts the distinct experts read."""
+        weight; `touched` counts the distinct experts read. An id equal to the expert count is another rank's
+        expert (`remote`: some may be): a zero row."""
         raise NotImplementedError
 
 
@@ -118,8 +119,8 @@ class Unquantized(WeightFormat):
         weight = params["weight"].view(x.shape[1], -1, x.shape[2])
         return torch.einsum("ngd,grd->ngr", x, weight.to(x.dtype))
 
-    def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched):
-        return moe_expert_pairs(x, weights, ids, w1["weight"], w3["weight"], w2["weight"], limit, touched)
+    def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched, remote=False):
+        return moe_expert_pairs(x, weights, ids, w1["weight"], w3["weight"], w2["weight"], limit, touched, remote)
 
 
 @dataclass(frozen=True)
@@ -231,9 +232,9 @@ class Mxfp4Experts(WeightFormat):
     def stored(self, params, row, rows):
         return {"weight": params["weight"][row : row + rows], "scale": params["scale"][row : row + rows]}
 
-    def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched):
+    def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched, remote=False):
         return moe_expert_pairs_mxfp4(x, weights, ids, w1["weight"], w1["scale"], w3["weight"], w3["scale"],
-                                      w2["weight"], w2["scale"], limit, touched)  # fmt: skip
+                                      w2["weight"], w2["scale"], limit, touched, remote)  # fmt: skip
 
 
 def _plain_weight(stored: dict[str, torch.Tensor]) -> torch.Tensor:

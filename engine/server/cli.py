@@ -173,6 +173,7 @@ def serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         engine_loop.stop()
+        engine.close()
     log.info("engine_stopped", failed=server.failed)  # exiting gives the GPU's memory back
     return 1 if server.failed else 0
 

@@ -72,7 +72,7 @@ def capabilities(engine: LLMEngine, structured_output: bool) -> dict[str, Any]:
 
 def server_info(engine: LLMEngine, build: str, capabilities: dict[str, Any]) -> dict[str, Any]:
     config, capacity = engine.applied_config, dataclasses.asdict(engine.capacity())
-    memory = capacity.pop("memory")
+    memory, per_rank = capacity.pop("memory"), capacity.pop("memory_per_rank")
     return {
         "model": config.model,
         "served_model_name": config.served_model_name,
@@ -80,6 +80,8 @@ def server_info(engine: LLMEngine, build: str, capabilities: dict[str, Any]) -> 
         "config": dataclasses.asdict(config),
         **capacity,
         "gpu_memory": memory,
+        # Each rank's GPU (tensor_parallel_size of them; config.attention says how they share the work).
+        "gpu_memory_per_rank": per_rank,
         "capabilities": capabilities,
     }
 
