@@ -264,7 +264,7 @@ class ModelRunner:
         if plan.graph_size is not None:
             # A one-token chunk of a longer prompt also runs as a decode row; it does not sample.
             logits = self.graphs.replay(batch, plan.graph_size)
-            if len(plan.last_rows) < len(plan.lens):
+            if len(plan.last_rows) < len(lens):
                 logits = logits.index_select(0, last_rows_d)
         else:
             streams = self.model.run_layers(batch)

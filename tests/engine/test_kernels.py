@@ -77,8 +77,18 @@ def test_topk_slots_bounded_by_length(k):
 # the launch picked for this batch (many requests' first), the last (what 99 KB GPUs get), or few requests' first
 @pytest.mark.parametrize("launch", ["picked", "last", "few"])
 def test_sparse_decode_attention(kv_dtype, ratio_rows, splits, launch):
+    _check_sparse_decode_attention(kv_dtype, ratio_rows, splits, launch, heads=8)
+
+
+@pytest.mark.parametrize("heads", [16, 32])
+def test_sparse_decode_attention_at_each_ranks_head_count(heads):
+    """V4-Flash's 64 heads split by tensor-parallel attention over 2, 4, 8 ranks: 32, 16 (and 8, above) a rank."""
+    _check_sparse_decode_attention("fp8_e4m3", 64, 3, "picked", heads)
+
+
+def _check_sparse_decode_attention(kv_dtype, ratio_rows, splits, launch, heads):
     gen = torch.Generator().manual_seed(3)
-    batch, heads, dim, rope, window, pages, k = 5, 8, 128, 64, 32, 40, 12
+    batch, dim, rope, window, pages, k = 5, 128, 64, 32, 40, 12
     ring = MainRows(batch, window, dim, rope, kv_dtype, "cpu")
     ring.write(torch.arange(batch * window), torch.randn(batch * window, dim, generator=gen))
     comp = MainRows(pages, ratio_rows, dim, rope, kv_dtype, "cpu")

@@ -13,6 +13,7 @@ import engine.model.weight_formats as weight_formats
 from engine.kernels.moe import (
     gate_route_triton,
     moe_combine_triton,
+    moe_expert_pairs_reference,
     moe_expert_pairs_triton,
     moe_experts_reference,
     moe_experts_triton,
@@ -96,3 +97,25 @@ def test_tiny_model_through_the_moe_kernels(fp32_model, prompt_ids, monkeypatch)
     monkeypatch.setattr(moe_model, "moe_combine", moe_combine_triton)
     got = prefill_logits(fp32_model, ids)
     assert (got - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_picks_of_another_ranks_experts_are_zero_rows_and_not_counted(n):
+    """A rank holding 4 of the 8 experts sees the others' picks as id 4: the kernels give them zero rows, compute
+    this rank's picks as the whole layer would, and count only this rank's experts."""
+    gen = torch.Generator().manual_seed(30 + n)
+    weights, ids = route_reference(*_routing(n, False, gen), K, 1.5)
+    x = torch.randn(n, D, generator=gen)
+    w1, w3, w2 = _experts(torch.float32, gen)
+    first, count = 4, 4
+    local = torch.where((ids >= first) & (ids < first + count), ids - first, count)
+    held = (w1[first:], w3[first:], w2[first:])
+    touched, ref_touched = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    got = moe_expert_pairs_triton(x, weights, local, *held, LIMIT, touched, remote=True)
+    ref = moe_expert_pairs_reference(x, weights, local, *held, LIMIT, ref_touched, remote=True)
+    whole = moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, LIMIT)
+    mine = (local < count).reshape(-1)
+    assert (got[~mine] == 0).all() and (ref[~mine] == 0).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[mine], whole[mine], rtol=1e-5, atol=1e-5)
+    assert touched.item() == ref_touched.item() == len(torch.unique(local[local < count]))

@@ -89,3 +89,19 @@ def test_reference_against_dequantize_then_matmul():
     dense = [dequantize_fp4_weight(w, s, torch.float64) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     exact = moe_expert_pairs_reference(x.double(), weights.double(), ids, *dense, LIMIT)
     assert (ref - exact).norm() <= 1e-6 * exact.norm()
+
+
+def test_picks_of_another_ranks_experts_are_zero_rows_and_not_counted():
+    """Ids of 3 (this rank holds 3 experts) are another rank's picks: zero rows, not counted, the rest exact."""
+    gen = torch.Generator().manual_seed(40)
+    weights, ids = _routing(9, 6, gen)
+    local = torch.where(ids < 3, ids, 3)
+    x = torch.randn(9, D, generator=gen)
+    experts = _experts(3, gen)
+    touched, ref_touched = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    got = moe_expert_pairs_mxfp4_triton(x, weights, local, *experts, LIMIT, touched, remote=True, block_k=32)
+    ref = moe_expert_pairs_mxfp4_reference(x, weights, local, *experts, LIMIT, ref_touched, remote=True)
+    remote = (local == 3).reshape(-1)
+    assert remote.any() and (got[remote] == 0).all() and (ref[remote] == 0).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert touched.item() == ref_touched.item() == len(torch.unique(local[local < 3]))
