@@ -119,8 +119,11 @@ def test_a_rank_killed_or_stopped_ends_the_engine(tiny_dir, tmp_path, how):
     assert failure["rank"] == 1 and failure["pid"] == pid and failure["level"] == "error"
 
 
-def test_sigterm_stops_every_rank(tiny_dir, tmp_path):
+def test_sigterm_stops_every_rank(tiny_dir, tmp_path, monkeypatch):
+    """The ranks run with the engine's environment (NCCL_* included), and SIGTERM stops them all, exit 0."""
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
     server, pid = _two_rank_server(tiny_dir, tmp_path, attention="tensor-parallel")
+    assert b"NCCL_SOCKET_IFNAME=lo" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     answer = server.client.completions.create(model="tiny", prompt="hello", max_tokens=4)
     assert answer.choices[0].finish_reason in ("length", "stop")
     server.proc.send_signal(signal.SIGTERM)
