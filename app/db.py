@@ -269,6 +269,17 @@ MIGRATIONS: tuple[Migration, ...] = (
         "engine runs an operator stopped",
         ("ALTER TABLE engine_run ADD COLUMN keep_stopped BOOLEAN NOT NULL DEFAULT 0",),
     ),
+    Migration(
+        6,
+        "one engine over several GPUs: a profile's attention mode and GPUs, a run's environment",
+        (
+            # Every profile before this ran with the engine's default attention and the console's GPUs.
+            "ALTER TABLE profile ADD COLUMN attention TEXT NOT NULL DEFAULT 'data-parallel'",
+            "ALTER TABLE profile ADD COLUMN gpus JSON",
+            # What the engine's environment got from the profile (CUDA_VISIBLE_DEVICES), beside its command line.
+            "ALTER TABLE engine_run ADD COLUMN environment JSON NOT NULL DEFAULT '{}'",
+        ),
+    ),
 )
 
 SCHEMA_VERSION_DDL = """CREATE TABLE IF NOT EXISTS schema_version (

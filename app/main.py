@@ -39,6 +39,7 @@ from app.engine_control.controller import EngineController
 from app.engine_control.docker_driver import DockerDriver
 from app.engine_control.driver import EngineDriver
 from app.engine_control.pages import DashboardPages
+from app.engine_control.preflight import host_gpus
 from app.engine_control.process_driver import ProcessDriver
 from app.engine_control.slot import EngineSlot
 from app.engine_control.supervisor import Supervisor
@@ -46,6 +47,7 @@ from app.logging import RequestLogMiddleware
 from app.profiles.controller import ProfileController
 from app.profiles.engine_options import warm_engine_options
 from app.profiles.pages import ProfilePages
+from app.profiles.schemas import HostGpus
 from app.profiles.service import ProfileFacts, ProfileService
 from app.promotion.controller import DecisionController, RouteController
 from app.promotion.decisions import Promoter
@@ -81,10 +83,12 @@ def run_reading(settings: Settings) -> RunReading:
     return RunReading(settings.models_dir, promotions_by_decision)
 
 
-def profile_facts(settings: Settings) -> ProfileFacts:
-    """What the domains above profiles tell them (profiles import none of them)."""
+def profile_facts(settings: Settings, gpus: Gpus | None = None) -> ProfileFacts:
+    """What the domains above profiles tell them (profiles import none of them), and the GPUs NVML shows (none
+    known while only seeding, which checks no host rule)."""
     page = functools.partial(profile_page, reading=run_reading(settings))
-    return ProfileFacts(roles=roles_by_profile, evidence_count=evidence_count, page=page)
+    host = (lambda: host_gpus(gpus.read())) if gpus is not None else HostGpus
+    return ProfileFacts(roles=roles_by_profile, evidence_count=evidence_count, page=page, host_gpus=host)
 
 
 def prepare_database(settings: Settings) -> tuple[Engine, str]:
@@ -255,7 +259,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
             {
                 "settings": settings,
                 "slot": slot,
-                "profile_facts": profile_facts(settings),
+                "profile_facts": profile_facts(settings, gpus),
                 "attempts": AttemptLimit(),
                 "telemetry": telemetry,
                 "checkpoint": checkpoint,

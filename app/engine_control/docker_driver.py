@@ -142,6 +142,8 @@ class DockerDriver:
             "profile": command.profile,
             "content_hash": command.content_hash,
             "args": command.args,
+            # Set on top of the container's environment by its entrypoint (bin/flashgate): the profile's GPUs.
+            "env": command.env,
         }
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(payload, indent=2) + "\n")

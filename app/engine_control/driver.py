@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +24,8 @@ class EngineCommand:
     content_hash: str
     # The arguments after `python -m engine serve`.
     args: list[str]
+    # Set in the engine's environment on top of what it inherits (engine_env: the profile's GPUs).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class EngineHandle(Protocol):
@@ -87,11 +89,22 @@ def engine_args(profile: Profile, models_dir: Path, host: str, port: int) -> lis
         "kv_cache_dtype": profile.kv_cache_dtype,
         "cuda_graph_max_bs": profile.cuda_graph_max_bs,
         "tensor_parallel_size": profile.tensor_parallel_size,
+        "attention": profile.attention,
         **dict(sorted(profile.engine_extras.items())),
         "host": host,
         "port": port,
     }
     return [arg for key, value in settings.items() for arg in _flag(key, value)]
+
+
+def engine_env(profile: Profile) -> dict[str, str]:
+    """What the engine's environment gets from a profile. `gpus` becomes CUDA_VISIBLE_DEVICES (the engine's ranks take
+    CUDA devices 0..N-1 of those visible, in that order), numbered as NVML and nvidia-smi number the GPUs, which is
+    PCI bus order: CUDA's own default order (fastest first) may differ on a host with mixed GPUs. Without `gpus`,
+    nothing: the engine inherits the console's environment, as before."""
+    if profile.gpus is None:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in profile.gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def describe_exit(code: int | None) -> str:

@@ -40,6 +40,8 @@ class EngineRun(SQLModel, table=True):
     state: RunState = Field(index=True)
     # The engine's arguments after `python -m engine serve`.
     command: list[str] = Field(sa_column=Column(JSON, nullable=False))
+    # What the engine's environment got from the profile on top of the console's (CUDA_VISIBLE_DEVICES for `gpus`).
+    environment: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     preflight: list[dict[str, Any]] = Field(sa_column=Column(JSON, nullable=False))
     started_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     started_by: str

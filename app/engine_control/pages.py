@@ -14,7 +14,7 @@ from litestar.params import FromPath, FromQuery, URLEncodedBody
 from litestar.plugins.htmx import HTMXRequest
 from litestar.response import Redirect, Template
 from litestar.status_codes import HTTP_200_OK
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from app.audit.alerts import alerts
 from app.auth.guards import requires_operator, requires_viewer
@@ -24,9 +24,10 @@ from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.schemas import RunRead
 from app.engine_control.slot import EngineSlot
 from app.errors import FieldError, InvalidFields
+from app.profiles.models import Profile
 from app.profiles.service import ProfileFacts, ProfileService
 from app.settings import Settings
-from app.telemetry.gpus import GIB, GpuSnapshot
+from app.telemetry.gpus import GIB, GpuSnapshot, RankMemory, engine_gpu_indices, engine_ranks, listed_indices
 from app.telemetry.plot import Chart, line_chart
 from app.telemetry.service import EngineReading, Telemetry, TelemetrySample
 
@@ -82,6 +83,20 @@ class Dashboard:
             )
         return charts
 
+    def _ranks(self, run: RunRead | None, gpus: GpuSnapshot | None) -> dict[int, RankMemory]:
+        """The live engine's GPUs by NVML index: the ones its environment named (the profile's `gpus`), else the
+        first tensor_parallel_size the console sees; with the engine's memory on each once it is ready."""
+        if run is None or not run.state.live or gpus is None or not gpus.available:
+            return {}
+        indices = listed_indices(run.environment.get("CUDA_VISIBLE_DEVICES"))
+        if indices is None:
+            applied = (run.server_info or {}).get("config") or {}
+            tp = applied.get("tensor_parallel_size")
+            if not isinstance(tp, int):
+                tp = self.session.exec(select(Profile.tensor_parallel_size).where(Profile.name == run.profile)).first()
+            indices = engine_gpu_indices(len(gpus.gpus), tp or 1)
+        return engine_ranks(indices, run.server_info)
+
     def context(self, selected: str | None = None) -> dict[str, Any]:
         """Everything the live partial shows; `selected` keeps the operator's choice of profile across refreshes."""
         engine = service.engine_status(self.session, self.slot, self.checkpoint)
@@ -96,12 +111,14 @@ class Dashboard:
         startable = [p.name for p in profiles if not p.state.blockers]
         if selected not in startable:
             selected = run.profile if run and run.profile in startable else next(iter(startable), None)
+        gpus = latest.gpus if latest else None
         return {
             "engine": engine,
             "run": run,
             "live": run is not None and run.state.live,
             "reading": reading,
-            "gpus": latest.gpus if latest else None,
+            "gpus": gpus,
+            "ranks": self._ranks(run, gpus),
             "profiles": profiles,
             "selected": selected,
             "runs": service.list_runs(self.session, 8),

@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from app.profiles.models import Profile
-from app.profiles.schemas import host_errors
+from app.profiles.schemas import HostGpus, host_errors
 from app.profiles.service import inspect_model, settings_of
 from app.telemetry.gpus import GpuSnapshot, engine_gpu_indices
 from app.units import byte_size
@@ -91,28 +91,42 @@ def meminfo_bytes(key: str, meminfo: Path = Path("/proc/meminfo")) -> int | None
     return None
 
 
+def host_gpus(gpus: GpuSnapshot) -> HostGpus:
+    """What a profile's GPU rules check against: the GPUs NVML shows, or why there are none."""
+    if not gpus.available:
+        return HostGpus((), gpus.reason)
+    return HostGpus(tuple(g.index for g in gpus.gpus), None if gpus.gpus else "NVML counted no GPU")
+
+
 def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list[Check]:
-    """Free VRAM on the engine's GPUs against what the profile claims (gpu_memory_utilization × total), and the
-    weights against that claim. Both are facts the engine itself would trip over, not estimates."""
+    """Free VRAM on each of the engine's GPUs against what the profile claims (gpu_memory_utilization × total), and
+    each GPU's share of the weights against that claim. Free memory and the claim are facts the engine itself would
+    trip over; the share is the checkpoint split evenly over the GPUs (the routed experts are, in both attention
+    modes; data-parallel attention also keeps a replica of the dense attention weights on each GPU), so it can
+    only understate what a GPU holds and never refuses a load that fits."""
     if not gpus.available:
         return [Check("vram", CheckStatus.na, f"{gpus.reason}: the engine runs on the CPU")]
-    indices = engine_gpu_indices(len(gpus.gpus), profile.tensor_parallel_size)
-    if len(indices) < profile.tensor_parallel_size:
-        return [
-            Check(
-                "vram",
-                CheckStatus.fail,
-                f"tensor_parallel_size {profile.tensor_parallel_size} needs as many GPUs; {len(indices)} visible",
-            )
-        ]
+    tp = profile.tensor_parallel_size
+    indices = engine_gpu_indices(len(gpus.gpus), tp, profile.gpus)
+    if len(indices) < tp:
+        detail = f"tensor_parallel_size {tp} needs as many GPUs; {len(indices)} visible"
+        return [Check("vram", CheckStatus.fail, detail)]
+    by_index = {g.index: g for g in gpus.gpus}
+    share = weights_bytes / tp
+    split = f"the weights' {byte_size(weights_bytes)} split over {tp} GPUs, an estimate"
     checks = []
-    per_gpu_weights = weights_bytes / profile.tensor_parallel_size
-    for gpu in (g for g in gpus.gpus if g.index in indices):
+    for rank, index in enumerate(indices):
+        gpu = by_index.get(index)
+        where = f"GPU {index}" + (f" (rank {rank})" if tp > 1 else "")
+        if gpu is None:
+            detail = f"{where}: not on this host (NVML shows {_listed(by_index)})"
+            checks.append(Check("vram", CheckStatus.fail, detail))
+            continue
+        where = f"GPU {index} ({gpu.name}" + (f", rank {rank})" if tp > 1 else ")")
         if gpu.total_bytes is None or gpu.free_bytes is None:
-            checks.append(Check("vram", CheckStatus.warn, f"GPU {gpu.index} ({gpu.name}): NVML gave no memory info"))
+            checks.append(Check("vram", CheckStatus.warn, f"{where}: NVML gave no memory info"))
             continue
         claim = profile.gpu_memory_utilization * gpu.total_bytes
-        where = f"GPU {gpu.index} ({gpu.name})"
         if gpu.free_bytes < claim:
             hint = "; on WSL2 Windows applications hold VRAM too: check Task Manager → GPU" if gpus.wsl else ""
             checks.append(
@@ -124,13 +138,14 @@ def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list
                     f"free the GPU or lower gpu_memory_utilization{hint}",
                 )
             )
-        elif per_gpu_weights >= claim:
+        elif share >= claim:
             checks.append(
                 Check(
                     "vram",
                     CheckStatus.fail,
-                    f"{where}: the weights ({byte_size(per_gpu_weights)} per GPU) do not fit in what the profile "
-                    f"claims ({byte_size(claim)}), leaving nothing for the KV cache",
+                    f"{where}: the weights ({byte_size(share)}"
+                    + (f" per GPU: {split}" if tp > 1 else "")
+                    + f") do not fit in what the profile claims ({byte_size(claim)}), leaving nothing for the KV cache",
                 )
             )
         else:
@@ -139,10 +154,14 @@ def vram_checks(profile: Profile, gpus: GpuSnapshot, weights_bytes: int) -> list
                     "vram",
                     CheckStatus.ok,
                     f"{where}: {byte_size(gpu.free_bytes)} free ≥ {byte_size(claim)} claimed; "
-                    f"weights {byte_size(per_gpu_weights)}",
+                    f"weights {byte_size(share)}" + (f" per GPU ({split})" if tp > 1 else ""),
                 )
             )
     return checks
+
+
+def _listed(by_index: dict[int, object]) -> str:
+    return "GPU " + ", ".join(str(i) for i in sorted(by_index)) if by_index else "none"
 
 
 def wsl_memory_check(weights_bytes: int, meminfo: Path = Path("/proc/meminfo")) -> Check:
@@ -163,16 +182,17 @@ def wsl_memory_check(weights_bytes: int, meminfo: Path = Path("/proc/meminfo")) 
     )
 
 
-def profile_checks(profile: Profile, models_dir: Path) -> tuple[list[Check], Fingerprint | None]:
-    """What the profile and its weights allow, whatever runs on the GPUs now; the weights' fingerprint when they are
-    present and readable."""
+def profile_checks(profile: Profile, models_dir: Path, gpus: GpuSnapshot) -> tuple[list[Check], Fingerprint | None]:
+    """What the profile and its weights allow on this host (its GPUs: `gpus`), whatever runs on them now; the
+    weights' fingerprint when they are present and readable."""
     checks = []
     if profile.retired:
         checks.append(Check("profile", CheckStatus.fail, f"profile {profile.name!r} is retired"))
     directory = models_dir / profile.model
     files = inspect_model(models_dir, profile.model)
     checks += [
-        Check(e.field, CheckStatus.fail, e.message) for e in host_errors(settings_of(profile), files.max_context)
+        Check(e.field, CheckStatus.fail, e.message)
+        for e in host_errors(settings_of(profile), files.max_context, host_gpus(gpus))
     ]
     if not files.weights_present:
         found = "needs config.json and *.safetensors" if directory.is_dir() else "does not exist"

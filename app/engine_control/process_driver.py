@@ -108,7 +108,7 @@ class ProcessDriver:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env={**os.environ, "PYTHONUNBUFFERED": "1", **command.env},
                 )
         except OSError as exc:
             raise DriverError(f"could not run {sys.executable} -m engine serve: {exc}") from exc

@@ -52,6 +52,8 @@ class RunRead(msgspec.Struct, kw_only=True):
     driver: str
     state: RunState
     command: list[str]
+    # Set for the engine on top of the console's environment, from the profile (CUDA_VISIBLE_DEVICES for `gpus`).
+    environment: dict[str, str]
     preflight: list[PreflightCheckRead]
     started_at: datetime
     started_by: str

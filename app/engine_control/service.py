@@ -40,6 +40,7 @@ def read_run(run: EngineRun, profile: str) -> RunRead:
         driver=run.driver,
         state=run.state,
         command=run.command,
+        environment=run.environment or {},
         preflight=[PreflightCheckRead(**c) for c in run.preflight],
         started_at=run.started_at,
         started_by=run.started_by,

@@ -32,6 +32,7 @@ from app.engine_control.driver import (
     EngineHandle,
     describe_exit,
     engine_args,
+    engine_env,
 )
 from app.engine_control.models import EngineRun, RunState
 from app.engine_control.preflight import Check, failures, memory_checks, profile_checks
@@ -149,7 +150,8 @@ class Supervisor:
                     if latest is None:
                         raise Conflict("nothing to restart: no engine has run yet; start one with a profile")
                     profile_name = session.get(Profile, latest.profile_id).name
-                checks, _ = profile_checks(self._profile(session, profile_name), self.settings.models_dir)
+                profile = self._profile(session, profile_name)
+                checks, _ = profile_checks(profile, self.settings.models_dir, self.gpus.read())
             if failed := failures(checks):
                 raise Conflict(self._refusal(profile_name, failed), extra=[c.as_dict() for c in checks])
             if self._live is not None:
@@ -211,14 +213,15 @@ class Supervisor:
             if live is not None:
                 raise Conflict(self._busy(session, live))
             profile = self._profile(session, profile_name)
-            checks, fingerprint = profile_checks(profile, self.settings.models_dir)
             gpus = self.gpus.read()
+            checks, fingerprint = profile_checks(profile, self.settings.models_dir, gpus)
             if fingerprint is not None:
                 checks += memory_checks(profile, gpus, fingerprint)
             checks += self.driver.preflight()
             if failed := failures(checks):
                 raise Conflict(self._refusal(profile_name, failed), extra=[c.as_dict() for c in checks])
             args = engine_args(profile, self.settings.models_dir, self.driver.bind_host, self.settings.engine_port)
+            env = engine_env(profile)
             run = EngineRun(
                 profile_id=profile.id,
                 content_hash=profile.content_hash,
@@ -226,6 +229,7 @@ class Supervisor:
                 driver=self.driver.name,
                 state=RunState.starting,
                 command=args,
+                environment=env,
                 preflight=[c.as_dict() for c in checks],
                 started_by=actor,
                 log_path="",
@@ -248,12 +252,13 @@ class Supervisor:
                 },
             )
             session.commit()
-            run_id, content_hash, tp = run.id, profile.content_hash, profile.tensor_parallel_size
+            run_id, content_hash = run.id, profile.content_hash
+            gpu_indices = engine_gpu_indices(len(gpus.gpus), profile.tensor_parallel_size, profile.gpus)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.touch()
         logfiles.prune(self.settings.engine_logs_dir, self.settings.log_retention)
         try:
-            handle = self.driver.launch(EngineCommand(run_id, profile_name, content_hash, args), log_path)
+            handle = self.driver.launch(EngineCommand(run_id, profile_name, content_hash, args, env), log_path)
         except DriverError as exc:
             self._close(run_id, RunState.failed, exit_code=None, last_error=str(exc), last_lines=[], gpu_release=None)
             raise ServiceUnavailableException(f"could not start the engine: {exc}") from exc
@@ -263,7 +268,7 @@ class Supervisor:
             handle=handle,
             log_path=log_path,
             gpus_before=gpus,
-            gpu_indices=engine_gpu_indices(len(gpus.gpus), tp),
+            gpu_indices=gpu_indices,
         )
         with self._state_lock, writing(self.db) as session:
             run = session.get(EngineRun, run_id)

@@ -46,7 +46,7 @@ class ProfileController(Controller):
 
     @get("/{name:str}", operation_id="getProfile", sync_to_thread=True)
     def get_profile(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> ProfileRead:
-        """One profile: settings, state (weights, tensor parallelism, evidence, retired) and diff against its parent."""
+        """One profile: settings, state (weights, the GPUs it needs, evidence, retired) and diff against its parent."""
         return profiles.read_one(name)
 
     @patch(

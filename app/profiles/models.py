@@ -28,6 +28,10 @@ class Profile(SQLModel, table=True):
     kv_cache_dtype: str
     cuda_graph_max_bs: int
     tensor_parallel_size: int
+    # data-parallel or tensor-parallel (schema version 6; earlier profiles read data-parallel, the engine's default).
+    attention: str = "data-parallel"
+    # The host's GPU indices for CUDA_VISIBLE_DEVICES; None: the first tensor_parallel_size the console sees.
+    gpus: list[int] | None = Field(default=None, sa_column=Column(JSON))
     max_output_tokens: int
     engine_extras: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     content_hash: str

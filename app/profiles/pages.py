@@ -16,7 +16,15 @@ from app.auth.guards import requires_operator, requires_viewer
 from app.console import redirect
 from app.errors import FieldError, InvalidFields
 from app.profiles.controller import provide_profile_service
-from app.profiles.schemas import DTYPES, KV_CACHE_DTYPES, SETTINGS, ProfileChildCreate, ProfileRead
+from app.profiles.schemas import (
+    ATTENTION_MODES,
+    ATTENTION_TRADES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    SETTINGS,
+    ProfileChildCreate,
+    ProfileRead,
+)
 from app.profiles.service import NameTaken, ProfileService
 
 # Each setting on a form in words: its label, its unit, and what bounds it (the API's field name is shown too).
@@ -34,7 +42,13 @@ SETTING_LABELS: dict[str, tuple[str, str, str]] = {
         "sequences",
         "largest decode batch captured; at most the sequences",
     ),
-    "tensor_parallel_size": ("GPUs per engine", "GPUs", "1 until tensor parallelism exists"),
+    "tensor_parallel_size": ("GPUs per engine", "GPUs", "one engine process per GPU; at most the GPUs this host has"),
+    "attention": (
+        "Attention across GPUs",
+        "",
+        "data-parallel: capacity and throughput; tensor-parallel: one request's latency",
+    ),
+    "gpus": ("Which GPUs", "GPU indices", "as nvidia-smi numbers them, one per GPU, e.g. 0,1; empty: the first ones"),
     "max_output_tokens": ("Route's answer limit", "tokens", "the route clamps max_tokens to it; at most the context"),
     "engine_extras": ("Engine extras", "JSON object", "further engine options by name"),
 }
@@ -43,9 +57,15 @@ INT_SETTINGS = {"context_length", "max_num_batched_tokens", "max_num_seqs", "cud
 INT_SETTINGS |= {"tensor_parallel_size", "max_output_tokens"}
 
 
+def gpus_words(gpus: list[int] | None) -> str:
+    """`gpus` as the form shows it: "0,1", or empty for none named."""
+    return "" if gpus is None else ",".join(str(i) for i in gpus)
+
+
 def _form_values(profile: ProfileRead) -> dict[str, str]:
     values = {f: "" if getattr(profile, f) is None else str(getattr(profile, f)) for f in SETTINGS}
     values["engine_extras"] = json.dumps(profile.engine_extras, sort_keys=True)
+    values["gpus"] = gpus_words(profile.gpus)
     return values
 
 
@@ -69,6 +89,14 @@ def _parse(field: str, raw: str) -> Any:
         if not isinstance(value, dict):
             raise ValueError(f'engine_extras must be a JSON object such as {{"key": "value"}}, got {raw!r}')
         return value
+    if field == "gpus":
+        parts = [part.strip() for part in raw.replace(" ", ",").split(",") if part.strip()]
+        if not all(part.isdigit() for part in parts):
+            raise ValueError(
+                f"gpus must be GPU indices separated by commas, such as 0,1 (empty: the first tensor_parallel_size "
+                f"GPUs), got {raw!r}"
+            )
+        return [int(part) for part in parts] or None
     if field == "revision":
         return raw or None
     return raw
@@ -102,7 +130,8 @@ class ProfilePages(Controller):
     @get("/profiles/{name:str}", sync_to_thread=True)
     def detail_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:
         page = profiles.facts.page(profiles.session, profiles.get(name))
-        return Template("profiles/detail.html", context={"profile": profiles.read_one(name), **page})
+        context = {"profile": profiles.read_one(name), "trades": ATTENTION_TRADES, "host_gpus": profiles.host_gpus}
+        return Template("profiles/detail.html", context=context | page)
 
     @get("/profiles/{name:str}/child", guards=[requires_operator], sync_to_thread=True)
     def child_page(self, profiles: NamedDependency[ProfileService], name: FromPath[str]) -> Template:
@@ -141,5 +170,5 @@ class ProfilePages(Controller):
             "errors": {e.field: e.message for e in errors},
             "settings": SETTINGS,
             "labels": SETTING_LABELS,
-            "choices": {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES},
+            "choices": {"dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "attention": ATTENTION_MODES},
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -16,6 +17,22 @@ from app.errors import FieldError
 # Mirrors engine/config.py; the planes share no code, and a profile is checked here before any engine starts.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
+# How the engine spreads attention over tensor_parallel_size GPUs (engine/config.py ATTENTION_MODES); the routed
+# experts are split over every GPU either way.
+ATTENTION_MODES = ("data-parallel", "tensor-parallel")
+# What each mode trades, in the words the profile page and docs/deploy.md use.
+ATTENTION_TRADES = {
+    "data-parallel": (
+        "each GPU holds a replica of the dense attention weights and serves its own requests with its own KV pool, "
+        "so KV capacity is the sum over the GPUs (V4 attention has one shared KV head: splitting heads would copy "
+        "the whole KV cache to every GPU); best capacity and throughput at many concurrent requests, but at one or "
+        "two concurrent requests the other GPUs idle"
+    ),
+    "tensor-parallel": (
+        "the attention heads are split over the GPUs and every GPU runs every request, with one copy of the KV "
+        "cache per GPU, so KV capacity is one GPU's pool; best single-stream latency"
+    ),
+}
 # The limit when the model directory has no config.json to read max_position_embeddings from (DeepSeek-V4's own).
 DEFAULT_MODEL_MAX_CONTEXT = 1_048_576
 POSITIVE_INTS = (
@@ -41,12 +58,20 @@ class ProfileSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_cache_dtype: str = "auto"
     cuda_graph_max_bs: int
     tensor_parallel_size: int = 1
+    # With tensor_parallel_size > 1: how attention is spread (ATTENTION_MODES).
+    attention: str = "data-parallel"
+    # The host's GPUs by index (as nvidia-smi and the dashboard number them), one per tensor_parallel_size: the
+    # engine's CUDA_VISIBLE_DEVICES. None: the first tensor_parallel_size GPUs the console itself sees.
+    gpus: list[int] | None = None
     max_output_tokens: int
     engine_extras: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 SETTINGS: tuple[str, ...] = ProfileSettings.__struct_fields__
 ENGINE_SETTINGS: tuple[str, ...] = tuple(f for f in SETTINGS if f != "max_output_tokens")
+# Settings added after profiles had evidence, with the value every profile had before: a profile that keeps it hashes
+# as it did then, so no evidence turns stale (content_hash leaves them out while they hold it).
+HASHED_UNLESS_DEFAULT: dict[str, Any] = {"attention": "data-parallel", "gpus": None}
 
 
 class ProfileCreate(ProfileSettings, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +94,8 @@ class ProfileChanges(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_cache_dtype: str | UnsetType = UNSET
     cuda_graph_max_bs: int | UnsetType = UNSET
     tensor_parallel_size: int | UnsetType = UNSET
+    attention: str | UnsetType = UNSET
+    gpus: list[int] | None | UnsetType = UNSET
     max_output_tokens: int | UnsetType = UNSET
     engine_extras: dict[str, Any] | UnsetType = UNSET
 
@@ -95,9 +122,30 @@ class SettingChange(msgspec.Struct):
     value: Any
 
 
+@dataclass(frozen=True)
+class HostGpus:
+    """The GPUs this host shows (NVML's indices), or why it shows none: what a profile's GPU rules are checked
+    against."""
+
+    indices: tuple[int, ...] = ()
+    # Why there are none (a CPU host, no NVIDIA driver); None when NVML answered.
+    reason: str | None = None
+
+    def words(self) -> str:
+        if not self.indices:
+            return f"this host shows no GPU: {self.reason or 'NVML found none'}"
+        count = len(self.indices)
+        return f"this host shows {count} GPU{'s' if count > 1 else ''} ({_indices(self.indices)})"
+
+
+def _indices(indices: tuple[int, ...] | list[int]) -> str:
+    return ", ".join(str(i) for i in indices)
+
+
 class ProfileState(msgspec.Struct):
     weights_present: bool
     model_max_context: int
+    # This host shows the GPUs the profile needs (tensor_parallel_size of them, and the ones `gpus` names).
     tensor_parallel_available: bool
     evidence_count: int
     immutable: bool
@@ -168,6 +216,11 @@ def settings_errors(s: ProfileSettings) -> list[FieldError]:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {s.kv_cache_dtype!r}",
             )
         )
+    if s.attention not in ATTENTION_MODES:
+        errors.append(
+            FieldError("attention", f"attention must be one of {', '.join(ATTENTION_MODES)}; got {s.attention!r}")
+        )
+    errors += gpus_errors(s)
     path = PurePosixPath(s.model)
     if not s.model.strip() or path.is_absolute() or ".." in path.parts or "\\" in s.model:
         errors.append(
@@ -180,10 +233,30 @@ def settings_errors(s: ProfileSettings) -> list[FieldError]:
     return errors
 
 
-def host_errors(s: ProfileSettings, model_max_context: int) -> list[FieldError]:
+def gpus_errors(s: ProfileSettings) -> list[FieldError]:
+    """`gpus`, on any host: distinct GPU indices, one for each of tensor_parallel_size."""
+    if s.gpus is None:
+        return []
+    errors = []
+    if any(i < 0 for i in s.gpus):
+        errors.append(FieldError("gpus", f"gpus must be GPU indices (whole numbers, 0 or more), got {s.gpus}"))
+    if len(set(s.gpus)) != len(s.gpus):
+        errors.append(FieldError("gpus", f"gpus must name each GPU once, got {s.gpus}"))
+    if len(s.gpus) != s.tensor_parallel_size >= 1:
+        errors.append(
+            FieldError(
+                "gpus",
+                f"gpus must list tensor_parallel_size ({s.tensor_parallel_size}) GPU"
+                f"{'s' if s.tensor_parallel_size > 1 else ''}, one per engine process, got {len(s.gpus)}: {s.gpus}",
+            )
+        )
+    return errors
+
+
+def host_errors(s: ProfileSettings, model_max_context: int, gpus: HostGpus) -> list[FieldError]:
     """The rules that depend on this host and its model files: refused for an operator's write, shown as a state
     (a blocker) on a seeded profile, since the field's profiles are a record worth keeping even where they cannot
-    run yet."""
+    run yet. `gpus`: what this host shows."""
     errors = []
     if s.context_length > model_max_context:
         errors.append(
@@ -193,20 +266,36 @@ def host_errors(s: ProfileSettings, model_max_context: int) -> list[FieldError]:
                 f"got {s.context_length}",
             )
         )
-    if s.tensor_parallel_size != 1:
+    if s.tensor_parallel_size > max(1, len(gpus.indices)):
+        most = len(gpus.indices) if gpus.indices else 1
         errors.append(
             FieldError(
                 "tensor_parallel_size",
-                f"tensor_parallel_size must be 1 (tensor parallelism is not available yet), "
+                f"tensor_parallel_size must be at most {most} (one engine process per GPU; {gpus.words()}), "
                 f"got {s.tensor_parallel_size}",
+            )
+        )
+    # Which listed GPU is missing, once the list itself is right (gpus_errors says what is wrong with it otherwise).
+    if s.gpus is not None and not gpus_errors(s) and (missing := [i for i in s.gpus if i not in gpus.indices]):
+        errors.append(
+            FieldError(
+                "gpus",
+                f"gpus must name GPUs this host shows ({gpus.words()}), got {s.gpus}: "
+                f"GPU {_indices(missing)} {'is' if len(missing) == 1 else 'are'} not there",
             )
         )
     return errors
 
 
 def content_hash(s: ProfileSettings) -> str:
-    """sha256 over what the engine is started with: evidence is about exactly this content."""
-    payload = {f: getattr(s, f) for f in ENGINE_SETTINGS}
+    """sha256 over what the engine is started with: evidence is about exactly this content. A setting of
+    HASHED_UNLESS_DEFAULT counts only once it differs from its default, so a profile that keeps it hashes as before
+    the setting existed."""
+    payload = {
+        f: getattr(s, f)
+        for f in ENGINE_SETTINGS
+        if f not in HASHED_UNLESS_DEFAULT or getattr(s, f) != HASHED_UNLESS_DEFAULT[f]
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -6,6 +6,7 @@ request leaves nothing behind.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from app.profiles.models import Profile
 from app.profiles.schemas import (
     DEFAULT_MODEL_MAX_CONTEXT,
     SETTINGS,
+    HostGpus,
     ProfileChildCreate,
     ProfileCreate,
     ProfileRead,
@@ -48,9 +50,11 @@ ROUTE_ROLES = ("production", "rollback")
 
 # How a host rule broken by a seeded profile reads as its state.
 BLOCKER_LABELS = {
-    "tensor_parallel_size": "tensor parallelism unavailable",
+    "tensor_parallel_size": "more GPUs than this host has",
+    "gpus": "GPUs not on this host",
     "context_length": "context longer than the model allows",
 }
+GPU_RULES = ("tensor_parallel_size", "gpus")
 
 
 class NameTaken(Conflict):
@@ -110,11 +114,13 @@ class ProfileFacts:
     """What the domains above profiles know about them, passed in from app/main.py (profiles import none of them):
     the roles each profile holds (production and rollback from the route, rejected from decisions, challenger from
     runs), its evidence count (any evidence makes it immutable), and what its page shows besides its settings (its
-    recent runs, what a run would stop)."""
+    recent runs, what a run would stop), and the GPUs this host shows (telemetry's NVML, which the GPU rules check
+    against)."""
 
     roles: Callable[[Session], dict[int, list[str]]]
     evidence_count: Callable[[Session, int], int]
     page: Callable[[Session, Profile], dict[str, Any]]
+    host_gpus: Callable[[], HostGpus] = HostGpus
 
 
 class ProfileService:
@@ -122,6 +128,11 @@ class ProfileService:
         self.session = session
         self.models_dir = models_dir
         self.facts = facts
+
+    @functools.cached_property
+    def host_gpus(self) -> HostGpus:
+        """Read once per service (a request): the GPU rules of every profile it reads check the same answer."""
+        return self.facts.host_gpus()
 
     # Reading
 
@@ -149,8 +160,9 @@ class ProfileService:
         settings = settings_of(profile)
         files = inspect_model(self.models_dir, profile.model)
         evidence = self.facts.evidence_count(self.session, profile.id)
+        broken = host_errors(settings, files.max_context, self.host_gpus)
         blockers = [] if files.weights_present else ["weights missing"]
-        blockers += [BLOCKER_LABELS[e.field] for e in host_errors(settings, files.max_context)]
+        blockers += [BLOCKER_LABELS[e.field] for e in broken]
         diff = settings_diff(settings_of(parent), settings) if parent else []
         return ProfileRead(
             **msgspec.structs.asdict(settings),
@@ -166,7 +178,7 @@ class ProfileService:
             state=ProfileState(
                 weights_present=files.weights_present,
                 model_max_context=files.max_context,
-                tensor_parallel_available=settings.tensor_parallel_size == 1,
+                tensor_parallel_available=not any(e.field in GPU_RULES for e in broken),
                 evidence_count=evidence,
                 immutable=evidence > 0,
                 retired=profile.retired,
@@ -181,7 +193,7 @@ class ProfileService:
 
     def _write_errors(self, settings: ProfileSettings) -> list[FieldError]:
         return settings_errors(settings) + host_errors(
-            settings, inspect_model(self.models_dir, settings.model).max_context
+            settings, inspect_model(self.models_dir, settings.model).max_context, self.host_gpus
         )
 
     @staticmethod

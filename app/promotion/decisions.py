@@ -29,15 +29,16 @@ from app.qualification.models import Decision, DecisionKind, GateResult, GateSta
 from app.qualification.schemas import DecisionCreate
 from app.qualification.service import staleness
 from app.settings import Settings
+from app.telemetry.gpus import GpuSnapshot
 
 log = structlog.get_logger(__name__)
 
 RECENT = 10
 
 
-def startability(profile: Profile, models_dir: Path) -> StartabilityRead:
-    """Whether the profile can start now: its weights are there and readable and the host allows it."""
-    checks, _ = profile_checks(profile, models_dir)
+def startability(profile: Profile, models_dir: Path, gpus: GpuSnapshot) -> StartabilityRead:
+    """Whether the profile can start now: its weights are there and readable and the host (its GPUs) allows it."""
+    checks, _ = profile_checks(profile, models_dir, gpus)
     failed = [c.detail for c in checks if c.status is CheckStatus.fail]
     return StartabilityRead(
         profile=profile.name,
@@ -71,6 +72,9 @@ class Promoter:
 
     # Reading
 
+    def _gpus(self) -> GpuSnapshot:
+        return self.slot.supervisor.gpus.read()
+
     def route(self, session: Session) -> RouteRead:
         route = route_row(session)
         roles = roles_by_profile(session)
@@ -81,7 +85,7 @@ class Promoter:
         holder = self.slot.holder
         return RouteRead(
             production=names.get(route.production_id) if route else None,
-            rollback=startability(rollback, self.settings.models_dir) if rollback else None,
+            rollback=startability(rollback, self.settings.models_dir, self._gpus()) if rollback else None,
             challengers=sorted(names[i] for i, r in roles.items() if "challenger" in r),
             rejected=sorted(names[i] for i, r in roles.items() if "rejected" in r),
             updated_at=route.updated_at if route else None,
@@ -123,7 +127,7 @@ class Promoter:
     def plan(self, session: Session, kind: PromotionKind, profile: Profile, refusals: list[Refusal]) -> PlanRead:
         live = live_engine(session)
         restore = restore_target(session, kind)
-        starts = startability(profile, self.settings.models_dir)
+        starts = startability(profile, self.settings.models_dir, self._gpus())
         approval = self.approval(session, profile)
         messages = [r.message for r in refusals] + [f"{profile.name!r} cannot start now: {r}" for r in starts.reasons]
         return PlanRead(
@@ -131,7 +135,7 @@ class Promoter:
             target=profile.name,
             stops=live[1].name if live else None,
             starts=starts,
-            rollback=startability(restore, self.settings.models_dir) if restore else None,
+            rollback=startability(restore, self.settings.models_dir, self._gpus()) if restore else None,
             allowed=not messages,
             refusals=messages,
             qualifying_run=approval.run.id if approval.run else None,

@@ -81,7 +81,7 @@ class Qualifier:
                 raise NotFoundException(f"no profile named {profile_name!r}")
             if profile.retired:
                 raise Conflict(f"profile {profile_name!r} is retired: it can no longer be qualified")
-            checks, _ = profile_checks(profile, self.settings.models_dir)
+            checks, _ = profile_checks(profile, self.settings.models_dir, self.gpus.read())
             if failed := failures(checks):
                 raise Conflict(
                     f"cannot qualify {profile_name!r}: " + "; ".join(c.detail for c in failed),
@@ -253,7 +253,7 @@ class Qualifier:
                 "max_num_seqs": profile.max_num_seqs,
                 "max_num_batched_tokens": profile.max_num_batched_tokens,
             }
-            tp, profile_id = profile.tensor_parallel_size, profile.id
+            tp, chosen, profile_id = profile.tensor_parallel_size, profile.gpus, profile.id
         info = (engine_run.server_info if engine_run else None) or {}
         gpus = self.gpus.read()
         plan = LadderPlan.of(
@@ -261,7 +261,7 @@ class Qualifier:
             limits,
             (info.get("config") or {}).get("device"),
             self.qualification.vram_reserve_gib,
-            tuple(engine_gpu_indices(len(gpus.gpus), tp)),
+            tuple(engine_gpu_indices(len(gpus.gpus), tp, chosen)),
         )
         boot = self._boot(engine_run)
         client = EngineClient(self.slot.base_url, profile_name, self.qualification.request_timeout_s)

@@ -357,6 +357,8 @@ def bundle(session: Session, run_id: int, reading: RunReading) -> dict[str, Any]
             "kv_cache_dtype": profile.kv_cache_dtype,
             "cuda_graph_max_bs": profile.cuda_graph_max_bs,
             "tensor_parallel_size": profile.tensor_parallel_size,
+            "attention": profile.attention,
+            "gpus": profile.gpus,
             "max_output_tokens": profile.max_output_tokens,
             "engine_extras": profile.engine_extras,
         },

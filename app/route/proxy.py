@@ -8,8 +8,9 @@ engine dies mid-stream, the agent gets an error event and the stream's end, neve
 
 What one request may cost the console is bounded by the serving engine's own limits: a body larger than its context
 could hold is refused (413) before it is read, from its declared length or as it streams in; and the route holds at
-most as many agent requests as the engine admits (`max_num_seqs` running plus `max_waiting_requests` waiting), so
-beyond that the route itself answers 429 with `Retry-After` instead of queueing connections.
+most as many agent requests as the engine admits (`max_num_seqs` running on each data-parallel GPU, plus
+`max_waiting_requests` waiting), so beyond that the route itself answers 429 with `Retry-After` instead of queueing
+connections.
 
 The console's own callers (the switch smoke, the production watch's canary) take the same path with an internal
 credential that lives in this process only; they may name the profile they expect (a switch smokes its target
@@ -103,7 +104,23 @@ class Serving:
     build: str | None
     # The engine's own admission limits, as it applied them (/server_info's config).
     context_length: int
-    admits: int  # max_num_seqs + max_waiting_requests: agent requests the route holds at once
+    # engine_admits: agent requests the route holds at once, and how that number is made.
+    admits: int
+    admits_rule: str = "max_num_seqs + max_waiting_requests"
+
+
+def engine_admits(applied: dict[str, Any], profile: Profile) -> tuple[int, str]:
+    """How many requests the engine holds at once, from its applied config (/server_info) or else the profile, and
+    the rule in words: max_num_seqs running per replica (data-parallel attention gives each of its
+    tensor_parallel_size GPUs a scheduler of its own; tensor-parallel ones share one) plus max_waiting_requests
+    waiting, which is one queue."""
+    seqs = applied.get("max_num_seqs") or profile.max_num_seqs
+    gpus = applied.get("tensor_parallel_size") or profile.tensor_parallel_size
+    replicas = max(1, gpus) if (applied.get("attention") or profile.attention) == "data-parallel" else 1
+    rule = "max_num_seqs + max_waiting_requests"
+    if replicas > 1:
+        rule = f"max_num_seqs × {replicas} data-parallel GPUs + max_waiting_requests"
+    return seqs * replicas + (applied.get("max_waiting_requests") or 0), rule
 
 
 @dataclass(frozen=True)
@@ -208,6 +225,7 @@ class AgentRoute:
         if live.profile != profile.name:
             raise self._unavailable(f"the engine runs {live.profile!r}, not {profile.name!r}: nothing else serves")
         applied = live.server_info.get("config") or {}
+        admits, rule = engine_admits(applied, profile)
         return Serving(
             profile.name,
             profile.max_output_tokens,
@@ -215,7 +233,8 @@ class AgentRoute:
             live.server_info["served_model_name"],
             live.server_info.get("build"),
             context_length=applied.get("context_length") or profile.context_length,
-            admits=(applied.get("max_num_seqs") or profile.max_num_seqs) + (applied.get("max_waiting_requests") or 0),
+            admits=admits,
+            admits_rule=rule,
         )
 
     def _admit(self, serving: Serving) -> Callable[[], None]:
@@ -224,7 +243,7 @@ class AgentRoute:
             raise RouteError(
                 429,
                 f"the route holds {self._agent_requests} requests for {serving.profile!r}, as many as its engine "
-                f"admits (max_num_seqs + max_waiting_requests = {serving.admits}): retry later",
+                f"admits ({serving.admits_rule} = {serving.admits}): retry later",
                 "route_full",
                 retry_after=self.settings.route_retry_after_s,
             )

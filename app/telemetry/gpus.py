@@ -53,13 +53,49 @@ def host_is_wsl(proc_version: Path = Path("/proc/version")) -> bool:
         return False
 
 
-def engine_gpu_indices(count: int, tensor_parallel_size: int) -> list[int]:
-    """The NVML indices of the GPUs an engine with this tensor parallelism uses: the first of CUDA_VISIBLE_DEVICES
-    when it lists indices, else the first of all."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+@dataclass(frozen=True)
+class RankMemory:
+    """One GPU of a running engine: its rank, and what the engine reported holding there (/server_info's
+    gpu_memory_per_rank); None where it did not say (still starting, or a build that reports rank 0 only)."""
+
+    rank: int
+    weights_bytes: int | None = None
+    kv_bytes: int | None = None
+    graph_bytes: int | None = None
+
+
+def engine_ranks(indices: list[int], server_info: dict[str, Any] | None) -> dict[int, RankMemory]:
+    """The engine's GPUs by NVML index (`indices` in rank order), each with its rank and the engine's own memory
+    figures for it: gpu_memory_per_rank, or gpu_memory for rank 0 where the engine gives only that."""
+    info = server_info or {}
+    per_rank = info.get("gpu_memory_per_rank")
+    if not isinstance(per_rank, list):
+        per_rank = [info["gpu_memory"]] if isinstance(info.get("gpu_memory"), dict) else []
+    ranks = {}
+    for rank, index in enumerate(indices):
+        memory = per_rank[rank] if rank < len(per_rank) and isinstance(per_rank[rank], dict) else {}
+        ranks[index] = RankMemory(rank, memory.get("weights_bytes"), memory.get("kv_bytes"), memory.get("graph_bytes"))
+    return ranks
+
+
+def listed_indices(value: str | None) -> list[int] | None:
+    """A CUDA_VISIBLE_DEVICES value as indices; None when unset or not all indices (UUIDs, MIG names)."""
+    parts = [part.strip() for part in (value or "").strip().split(",")] if (value or "").strip() else []
+    if not parts or not all(part.isdigit() for part in parts):
+        return None
+    return [int(part) for part in parts]
+
+
+def engine_gpu_indices(count: int, tensor_parallel_size: int, gpus: list[int] | None = None) -> list[int]:
+    """The NVML indices of the GPUs an engine with this tensor parallelism uses, in rank order: the profile's `gpus`
+    when it names them (they become the engine's CUDA_VISIBLE_DEVICES, whatever the console's own is; one this host
+    lacks is listed still, for the preflight to refuse by name), else the first of the console's
+    CUDA_VISIBLE_DEVICES when it lists indices, else the first of all."""
+    if gpus is not None:
+        return list(gpus)
     indices = list(range(count))
-    if visible and all(part.strip().isdigit() for part in visible.split(",")):
-        indices = [int(part) for part in visible.split(",") if int(part) < count]
+    if (visible := listed_indices(os.environ.get("CUDA_VISIBLE_DEVICES"))) is not None:
+        indices = [i for i in visible if i < count]
     return indices[:tensor_parallel_size]
 
 

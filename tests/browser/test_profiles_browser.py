@@ -1,6 +1,6 @@
 """An operator in a real browser: sign in to the real console process, open cpu-demo, make a child with another
 context length through the htmx form (its every mistake reported at once, beside its field), and find it in the
-profile list."""
+profile list; a two-GPU profile's page says its attention mode, what the mode trades, and what this host lacks."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
     expect(context).to_have_value("4096")
     expect(page.locator(".field", has=context).locator(".hint")).to_contain_text("at most the model's maximum")
     expect(page.get_by_label("GPU memory share (fraction)")).to_be_visible()
+    expect(page.get_by_label("Attention across GPUs")).to_have_value("data-parallel")
+    expect(page.get_by_label("Which GPUs (GPU indices)")).to_have_value("")
 
     # Four mistakes at once, one of them not a number: every one shows beside its field, the form stays.
     page.get_by_label("Name").fill("cpu-demo")
@@ -68,3 +70,10 @@ def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
     expect(row).to_contain_text("2,048")
     expect(row).to_contain_text("cpu-demo")
     page.screenshot(path=str(ARTIFACTS / "profiles-list.png"), full_page=True)
+
+    page.get_by_role("link", name="flash-2gpu-dp-128k", exact=True).click()
+    expect(page.locator("#profile-attention")).to_contain_text("data-parallel: each GPU holds a replica")
+    expect(page.locator("#profile-attention")).to_contain_text("KV capacity is the sum over the GPUs")
+    expect(page.locator("#profile-gpus")).to_contain_text("2, one engine process each: the first 2 the console sees")
+    expect(page.locator("#qualify-blocked")).to_contain_text("2 GPUs with enough memory for its share of the weights")
+    page.screenshot(path=str(ARTIFACTS / "profiles-two-gpus.png"), full_page=True)

@@ -26,7 +26,8 @@ def test_list_shows_every_profile_with_its_state(client, otto):
     assert page.status_code == 200
     for name in ("cpu-demo", "maxseq16-128k", "maxseq16-650k", "maxseq1-1m", "maxseq4-1m", "maxseq16-1m"):
         assert f'href="/profiles/{name}"' in page.text
-    assert "weights missing" in page.text and "tensor parallelism unavailable" in page.text
+    assert "weights missing" in page.text and "more GPUs than this host has" in page.text
+    assert "tensor-parallel" in page.text  # the mode beside a multi-GPU profile's GPU count
     assert "1,000,000" in page.text
     assert '<a href="/profiles" aria-current="page">Profiles</a>' in page.text
 

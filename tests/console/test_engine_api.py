@@ -74,7 +74,10 @@ def test_preflight_refuses_missing_weights_naming_the_path(client, operator, dat
     assert checks["weights"]["status"] == "fail"
     # Host rules come with it, each naming its field and limit.
     field = client.post("/api/engine/start", json={"profile": "maxseq16-128k"}, headers=operator).json()
-    assert "tensor_parallel_size must be 1" in field["detail"] and "DeepSeek-V4-Flash does not exist" in field["detail"]
+    assert (
+        "tensor_parallel_size must be at most 1 (one engine process per GPU; this host shows no GPU" in field["detail"]
+    )
+    assert "DeepSeek-V4-Flash does not exist" in field["detail"]
     assert counts(data_dir) == before
 
 

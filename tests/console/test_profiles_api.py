@@ -91,7 +91,11 @@ def test_child_with_more_than_one_change_warns(client, operator):
         ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization", "greater than 0 and less than 1"),
         ({"gpu_memory_utilization": 0}, "gpu_memory_utilization", "greater than 0 and less than 1"),
         ({"context_length": 1_048_577, "max_output_tokens": 256}, "context_length", "at most 1048576"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size", "must be 1"),
+        # More engine processes than this (CPU) host has GPUs.
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size", "must be at most 1 (one engine process per GPU"),
+        ({"attention": "pipeline"}, "attention", "one of data-parallel, tensor-parallel"),
+        ({"gpus": [0, 1]}, "gpus", "gpus must list tensor_parallel_size (1) GPU, one per engine process, got 2"),
+        ({"gpus": [0]}, "gpus", "gpus must name GPUs this host shows (this host shows no GPU: no NVIDIA GPU"),
         ({"max_output_tokens": 5000}, "max_output_tokens", "at most context_length (2048)"),
         ({"dtype": "fp64"}, "dtype", "one of auto, float32, bfloat16, float16"),
         ({"kv_cache_dtype": "int4"}, "kv_cache_dtype", "one of auto, bfloat16, fp8_e4m3"),

@@ -1,4 +1,5 @@
-"""Seeding from profiles/*.yaml: the field's exact envelopes and the CPU demo, once, never over an operator's change."""
+"""Seeding from profiles/*.yaml: the field's exact envelopes, the V4-Flash profiles for 2 and 4 GPUs in both attention
+modes, and the CPU demo, once, never over an operator's change."""
 
 from __future__ import annotations
 
@@ -19,8 +20,17 @@ FIELD = {
 }
 
 
-def test_seed_files_are_the_field_profiles_and_the_cpu_demo():
-    assert sorted(p.stem for p in SEED_DIR.glob("*.yaml")) == sorted([*FIELD, "cpu-demo"])
+MULTI_GPU = {
+    # name: (tensor_parallel_size, attention, context_length, max_num_batched_tokens, max_num_seqs)
+    "flash-2gpu-dp-128k": (2, "data-parallel", 131_072, 8_192, 16),
+    "flash-2gpu-tp-128k": (2, "tensor-parallel", 131_072, 8_192, 16),
+    "flash-4gpu-dp-1m": (4, "data-parallel", 1_048_576, 4_096, 8),
+    "flash-4gpu-tp-1m": (4, "tensor-parallel", 1_048_576, 4_096, 8),
+}
+
+
+def test_seed_files_are_the_field_profiles_the_multi_gpu_profiles_and_the_cpu_demo():
+    assert sorted(p.stem for p in SEED_DIR.glob("*.yaml")) == sorted([*FIELD, *MULTI_GPU, "cpu-demo"])
 
 
 @pytest.mark.parametrize("name", FIELD)
@@ -36,8 +46,26 @@ def test_field_profiles_have_the_exact_values(client, admin, name):
     assert profile["tensor_parallel_size"] == 2
     assert profile["model"] == "DeepSeek-V4-Flash"
     assert profile["parent"] is None and profile["created_by"] == "seed"
-    assert profile["state"]["blockers"] == ["weights missing", "tensor parallelism unavailable"]
+    # The engine's default attention and no GPUs named: the content they had before either setting existed.
+    assert (profile["attention"], profile["gpus"]) == ("data-parallel", None)
+    # On this CPU host: a state, not a refusal to seed.
+    assert profile["state"]["blockers"] == ["weights missing", "more GPUs than this host has"]
     assert profile["state"]["tensor_parallel_available"] is False
+
+
+@pytest.mark.parametrize("name", MULTI_GPU)
+def test_multi_gpu_profiles_load_with_their_mode(client, admin, name):
+    profile = client.get(f"/api/profiles/{name}", headers=admin).json()
+    tp, attention, context_length, batched, seqs = MULTI_GPU[name]
+    assert (profile["tensor_parallel_size"], profile["attention"], profile["gpus"]) == (tp, attention, None)
+    assert (profile["context_length"], profile["max_num_batched_tokens"], profile["max_num_seqs"]) == (
+        context_length,
+        batched,
+        seqs,
+    )
+    assert profile["cuda_graph_max_bs"] == seqs and profile["kv_cache_dtype"] == "fp8_e4m3"
+    assert profile["model"] == "DeepSeek-V4-Flash" and profile["created_by"] == "seed"
+    assert profile["state"]["blockers"] == ["weights missing", "more GPUs than this host has"]
 
 
 def test_cpu_demo_is_seeded_with_weights_missing(client, admin):
@@ -79,5 +107,5 @@ def test_seeding_is_idempotent_and_keeps_operator_changes(make_app, admin, data_
         assert second.get("/api/profiles/cpu-demo", headers=admin).json()["max_output_tokens"] == 128
         assert second.get("/api/profiles/maxseq16-128k", headers=admin).json()["state"]["retired"] is True
         seeded = second.get("/api/audit", params={"action": "profile.seed"}, headers=admin).json()
-    assert len(seeded) == len(names) == 6
+    assert len(seeded) == len(names) == 10
     assert {row["after"]["source"] for row in seeded} == {f"profiles/{n}.yaml" for n in names}

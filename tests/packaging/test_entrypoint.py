@@ -108,7 +108,9 @@ def _tiny_demo_command(models_dir: Path, port: int) -> EngineCommand:
     """The cpu-demo profile's engine command line, as the console builds it for the docker driver."""
     fields = yaml.safe_load((ROOT / "profiles" / "cpu-demo.yaml").read_text())
     profile = Profile(**fields, content_hash="packaging-test", created_by="test")
-    return EngineCommand(7, profile.name, profile.content_hash, engine_args(profile, models_dir, "127.0.0.1", port))
+    args = engine_args(profile, models_dir, "127.0.0.1", port)
+    # What a profile's `gpus` adds to the engine's environment, here only the half that is harmless on any host.
+    return EngineCommand(7, profile.name, profile.content_hash, args, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
 
 
 @pytest.mark.slow  # an engine subprocess
@@ -141,7 +143,12 @@ def test_engine_mode_waits_for_the_handoff_then_serves_it(tmp_path):
         assert not settings.engine_handoff_path.exists()
         claimed = json.loads((data_dir / "engine-profile.claimed.json").read_text())
         assert claimed["run"] == 7 and claimed["args"] == command.args
-        assert any("run 7, profile 'cpu-demo': python -m engine serve" in line for line in engine.lines)
+        assert any(
+            "run 7, profile 'cpu-demo': CUDA_DEVICE_ORDER=PCI_BUS_ID python -m engine serve" in line
+            for line in engine.lines
+        )
+        environ = Path(f"/proc/{engine.proc.pid}/environ").read_text().split("\0")
+        assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ and f"FLASHGATE_DATA_DIR={data_dir}" in environ
     finally:
         code = engine.stop()
     assert code == 0, "\n".join(engine.lines)
@@ -162,6 +169,7 @@ def test_engine_mode_stops_at_once_while_waiting(tmp_path):
     [
         ({"version": 2, "args": []}, "is not a version 1 engine profile handoff"),
         ({"version": 1, "args": "--model x"}, "has no argument list"),
+        ({"version": 1, "args": [], "env": {"CUDA_VISIBLE_DEVICES": 0}}, "an environment that is not names to strings"),
         ("{not json", "cannot read the engine profile"),
     ],
 )

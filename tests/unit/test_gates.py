@@ -183,6 +183,39 @@ def test_the_vram_reserve_gate():
     assert short.summary == "not sampled after needle; not sampled after benchmark"
 
 
+def gpus_sample(point: str, free_gib: tuple[float, ...], indices: tuple[int, ...] = (0, 1, 2)) -> dict:
+    gpus = [
+        {"index": i, "name": "H200", "free_bytes": int(f * GIB), "total_bytes": 141 * GIB}
+        for i, f in zip(indices, free_gib, strict=True)
+    ]
+    return {"point": point, "available": True, "reason": None, "gpus": gpus}
+
+
+def test_the_vram_reserve_gate_checks_each_gpu_of_the_engine():
+    vram = GATES["vram_reserve"]
+    # The engine on GPUs 2 and 0 (a profile's gpus); GPU 1 is another tenant's and may be full.
+    inputs = vram.inputs(
+        LadderPlan.of(
+            "p", {"context_length": 4096, "max_num_seqs": 4, "max_num_batched_tokens": 512}, "cuda", 3.0, (2, 0)
+        )
+    )
+    assert inputs["gpus"] == [2, 0]
+    points = ["idle", "after_needle", "after_benchmark"]
+    kept = vram.run(context([gpus_sample(p, (8, 0.1, 5)) for p in points]), inputs)
+    assert kept.status is GateStatus.passed and kept.measurements["min_free_gib"] == 5
+    low = [gpus_sample("idle", (8, 0.1, 5)), gpus_sample("after_needle", (8, 0.1, 2.5))]
+    tight = vram.run(context([*low, gpus_sample("after_benchmark", (1, 0.1, 5))]), inputs)
+    assert tight.status is GateStatus.failed and tight.summary == (
+        "after_needle: GPU 2 has 2.50 GiB free < 3 GiB; after_benchmark: GPU 0 has 1.00 GiB free < 3 GiB"
+    )
+    # A reading without one of the engine's GPUs fails, naming it, instead of passing on the others.
+    lost = [gpus_sample(p, (8, 8), (0, 1)) for p in points]
+    gone = vram.run(context(lost), inputs)
+    assert gone.status is GateStatus.failed and gone.summary.startswith(
+        "idle: GPU 2 of the engine not in NVML's reading"
+    )
+
+
 def test_the_log_scan(tmp_path):
     scan = GATES["log_scan"]
     log = tmp_path / "run.log"

@@ -10,17 +10,19 @@ import struct
 import pytest
 
 from app.engine_control.bootlog import BootStage, LoadProgress, ReadyLine, parse_line
-from app.engine_control.driver import describe_exit, engine_args
+from app.engine_control.driver import describe_exit, engine_args, engine_env
 from app.engine_control.logfiles import prune, run_log_path, tail_lines
 from app.engine_control.preflight import (
     CheckStatus,
     FingerprintError,
+    host_gpus,
     vram_checks,
     weights_fingerprint,
     wsl_memory_check,
 )
 from app.engine_control.supervisor import gpu_release
 from app.profiles.models import Profile
+from app.profiles.schemas import HostGpus
 from app.settings import load_settings
 from app.telemetry.gpus import GpuReading, GpuSnapshot, NvmlGpus
 from engine.server.cli import build_parser
@@ -92,6 +94,19 @@ def test_engine_args_are_a_flag_per_setting_and_the_engine_accepts_them(tmp_path
     assert (parsed.context_length, parsed.max_num_seqs, parsed.max_num_batched_tokens) == (1024, 4, 512)
     assert (parsed.num_kv_pages, parsed.quant_sim, parsed.request_timeout_s, parsed.port) == (16, False, None, 31000)
     assert parsed.gpu_memory_utilization == 0.9 and parsed.cuda_graph_max_bs == 1 and parsed.dtype == "float32"
+    assert (parsed.tensor_parallel_size, parsed.attention) == (1, "data-parallel")
+
+
+def test_the_attention_mode_and_the_gpus_reach_the_engine(tmp_path):
+    chosen = profile(tensor_parallel_size=2, attention="tensor-parallel", gpus=[2, 0])
+    args = engine_args(chosen, tmp_path, "127.0.0.1", 31000)
+    assert args[args.index("--attention") + 1] == "tensor-parallel"
+    parsed = build_parser().parse_args(["serve", *args])
+    assert (parsed.tensor_parallel_size, parsed.attention) == (2, "tensor-parallel")
+    # The GPUs are the engine's environment, not a flag; numbered as NVML (PCI bus order) numbers them.
+    assert "--gpus" not in args
+    assert engine_env(chosen) == {"CUDA_VISIBLE_DEVICES": "2,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert engine_env(profile(tensor_parallel_size=2)) == {}  # none named: the console's environment, as before
 
 
 def test_exit_codes_in_words():
@@ -153,6 +168,46 @@ def test_vram_checks_compare_free_memory_with_what_the_profile_claims():
     assert cpu.status is CheckStatus.na and cpu.detail == "no NVIDIA GPU (x): the engine runs on the CPU"
     (few,) = vram_checks(profile(tensor_parallel_size=2), gpus((140 * GIB, 140 * GIB)), 1)
     assert few.status is CheckStatus.fail and "needs as many GPUs; 1 visible" in few.detail
+
+
+def test_vram_checks_check_every_gpu_of_the_engine_with_its_share_of_the_weights(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    host = gpus((130 * GIB, 140 * GIB), (20 * GIB, 140 * GIB), (135 * GIB, 140 * GIB), (138 * GIB, 140 * GIB))
+    # No gpus named: the first two; GPU 1 lacks the memory, GPU 0 has it.
+    first, second = vram_checks(profile(tensor_parallel_size=2), host, 160 * GIB)
+    assert first.status is CheckStatus.ok and first.detail == (
+        "GPU 0 (NVIDIA H200, rank 0): 130.0 GiB free ≥ 126.0 GiB claimed; weights 80.0 GiB per GPU (the weights' "
+        "160.0 GiB split over 2 GPUs, an estimate)"
+    )
+    assert second.status is CheckStatus.fail and second.detail.startswith("GPU 1 (NVIDIA H200, rank 1): 20.0 GiB free")
+    # The profile's gpus, in rank order: GPU 3 then GPU 2, both free.
+    ranks = vram_checks(profile(tensor_parallel_size=2, gpus=[3, 2]), host, 160 * GIB)
+    assert [(c.status, c.detail.split(":")[0]) for c in ranks] == [
+        (CheckStatus.ok, "GPU 3 (NVIDIA H200, rank 0)"),
+        (CheckStatus.ok, "GPU 2 (NVIDIA H200, rank 1)"),
+    ]
+    # Each GPU's share: 300 GiB over two does not fit in 0.9 × 140 GiB; over four it does.
+    heavy = vram_checks(profile(tensor_parallel_size=2, gpus=[2, 3]), host, 300 * GIB)
+    assert all(c.status is CheckStatus.fail and "150.0 GiB per GPU" in c.detail for c in heavy)
+    assert "leaving nothing for the KV cache" in heavy[0].detail
+    four = vram_checks(profile(tensor_parallel_size=4, gpus=[0, 2, 3, 1]), host, 300 * GIB)
+    assert [c.status for c in four] == [CheckStatus.ok, CheckStatus.ok, CheckStatus.ok, CheckStatus.fail]
+    assert "75.0 GiB per GPU" in four[0].detail
+    # A GPU the host does not show is refused by name.
+    missing = vram_checks(profile(tensor_parallel_size=2, gpus=[0, 7]), host, 160 * GIB)
+    assert missing[1].status is CheckStatus.fail and missing[1].detail == (
+        "GPU 7 (rank 1): not on this host (NVML shows GPU 0, 1, 2, 3)"
+    )
+    # On a CPU host: n/a, saying why, whatever the profile names.
+    cpu = GpuSnapshot(available=False, reason="no NVIDIA GPU (x)", wsl=False)
+    (na,) = vram_checks(profile(tensor_parallel_size=2, gpus=[0, 1]), cpu, 1)
+    assert na.status is CheckStatus.na and na.detail == "no NVIDIA GPU (x): the engine runs on the CPU"
+
+
+def test_the_host_rules_see_the_gpus_nvml_shows():
+    assert host_gpus(gpus((1, 2), (1, 2))) == HostGpus((0, 1), None)
+    absent = GpuSnapshot(available=False, reason="no NVIDIA GPU (NVML unavailable: x)", wsl=False)
+    assert host_gpus(absent) == HostGpus((), "no NVIDIA GPU (NVML unavailable: x)")
 
 
 def test_wsl_memory_limit_is_a_warning(tmp_path):

@@ -11,7 +11,7 @@ import pynvml
 import pytest
 
 from app.telemetry import prometheus
-from app.telemetry.gpus import NvmlGpus, engine_gpu_indices, host_is_wsl
+from app.telemetry.gpus import NvmlGpus, RankMemory, engine_gpu_indices, engine_ranks, host_is_wsl
 from app.telemetry.plot import line_chart
 from app.telemetry.service import EngineTarget, Telemetry
 from tests.console.fake_nvml import GIB, FakeGpu, FakeNvml
@@ -99,6 +99,24 @@ def test_engine_gpus_follow_cuda_visible_devices(monkeypatch):
     assert engine_gpu_indices(4, 1) == [2] and engine_gpu_indices(4, 4) == [2, 3]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-6c1f2a")
     assert engine_gpu_indices(4, 1) == [0]
+    # The profile's gpus replace the console's CUDA_VISIBLE_DEVICES (they become the engine's), in rank order; one
+    # the host lacks is kept, for the preflight to refuse by name.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert engine_gpu_indices(4, 2, [1, 0]) == [1, 0] and engine_gpu_indices(2, 2, [0, 5]) == [0, 5]
+
+
+def test_engine_ranks_put_the_engines_memory_beside_each_gpu():
+    info = {
+        "gpu_memory": {"weights_bytes": 1, "kv_bytes": 2, "graph_bytes": 3},
+        "gpu_memory_per_rank": [
+            {"total_bytes": 9, "free_bytes": 1, "weights_bytes": 80, "kv_bytes": 40, "graph_bytes": 2},
+            {"total_bytes": 9, "free_bytes": 1, "weights_bytes": 81, "kv_bytes": 41, "graph_bytes": 3},
+        ],
+    }
+    assert engine_ranks([3, 1], info) == {3: RankMemory(0, 80, 40, 2), 1: RankMemory(1, 81, 41, 3)}
+    # An engine that reports rank 0 only, or nothing yet (starting).
+    assert engine_ranks([0, 1], {"gpu_memory": info["gpu_memory"]}) == {0: RankMemory(0, 1, 2, 3), 1: RankMemory(1)}
+    assert engine_ranks([0], None) == {0: RankMemory(0)}
 
 
 def test_wsl_is_read_from_proc_version(tmp_path):

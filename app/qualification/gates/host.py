@@ -22,9 +22,11 @@ LOG_HITS_KEPT = 50
 
 class VramReserve(Gate):
     name, title, kind = "vram_reserve", "Free-VRAM reserve", "structural"
+    # 2: a GPU of the engine's that a reading lacks is a failure (one engine over several GPUs), not skipped.
+    version = 2
     pass_rule = (
-        "every engine GPU keeps at least the reserve free (NVML) idle after load, after the needle and after the "
-        "benchmark; n/a without a GPU"
+        "every engine GPU (each of the profile's tensor_parallel_size, its gpus when named) keeps at least the reserve "
+        "free (NVML) idle after load, after the needle and after the benchmark; n/a without a GPU"
     )
     measurements = ("samples", "min_free_gib")
     needs_engine = False
@@ -43,6 +45,10 @@ class VramReserve(Gate):
         problems = [f"not sampled {p.replace('_', ' ')}" for p in self.POINTS if p not in {s["point"] for s in samples}]
         free = []
         for sample in samples:
+            shown = {gpu["index"] for gpu in sample.get("gpus", [])}
+            if sample.get("available") and (missing := [i for i in inputs["gpus"] if i not in shown]):
+                listed = ", ".join(str(i) for i in missing)
+                problems.append(f"{sample['point']}: GPU {listed} of the engine not in NVML's reading")
             for gpu in sample.get("gpus", []):
                 if gpu["index"] not in inputs["gpus"]:
                     continue
