@@ -115,6 +115,17 @@ def check_fp8_support(gpu: str, capability: tuple[int, int], kv_dtype: str, quan
         )
 
 
+def padding_slots(graphs: bool, parallel: Layout) -> int:
+    return int(graphs or parallel.data_parallel)
+
+
+def state_slots(config: EngineConfig, graphs: bool, parallel: Layout) -> int:
+    """Slots of window rings and compressor states: the requests', padding rows', and with prefix caching two
+    snapshots a request (a prompt's and an output's; finished requests' stay cached in them until needed)."""
+    snapshots = 2 * config.max_num_seqs if config.prefix_cache else 0
+    return config.max_num_seqs + padding_slots(graphs, parallel) + snapshots
+
+
 def check_split(config: EngineConfig) -> None:
     """Before any rank starts: the model splits over tensor_parallel_size ranks as `attention` says (heads by whole
     output groups, experts evenly), or a ValueError names what does not split. Rank 0's layers are built on the
@@ -171,9 +182,10 @@ class Booted:
     kv: ModelKVCache
     num_pages: int
     kv_cache_dtype: str
-    # Request slots of the cache: max_num_seqs, and one for padding rows (the last) when the decode graphs or an
-    # idle data-parallel rank need them.
+    # Slots of the cache: max_num_seqs for requests, then one for padding rows when the decode graphs or an idle
+    # data-parallel rank need them, then the prefix cache's snapshots.
     num_slots: int
+    snapshot_slots: range
     graphs: DecodeGraphs | None
     memory: MemoryReport
 
@@ -209,15 +221,16 @@ def boot(config: EngineConfig, context_length: int, ranks: RankGroup | None = No
     if cuda:
         workspace_bytes, graph_reserve_bytes = _peak_workspace_bytes(model, config, layout, context_length, graphs)
         num_pages = _cuda_pool_pages(config, layout, device, weights_bytes, workspace_bytes, graph_reserve_bytes,
-                                     graphs)  # fmt: skip
+                                     state_slots(config, graphs, parallel))  # fmt: skip
     else:
         num_pages = config.num_kv_pages or layout.pages_for(context_length) * config.max_num_seqs
     if ranks is not None:  # tensor-parallel ranks run the same page tables; data-parallel ones warm up alike
         num_pages = min(ranks.gather(num_pages))
     # The cache's pages, and a window-ring slot for each running request (and one for padding rows).
     kv_dtype = kv_dtype_for(config.kv_cache_dtype, device, dtype)
-    padding = graphs or parallel.data_parallel
-    cache = ModelKVCache(model.args, num_pages, config.page_size, config.max_num_seqs + padding, kv_dtype, device)
+    cache = ModelKVCache(model.args, num_pages, config.page_size, state_slots(config, graphs, parallel), kv_dtype,
+                         device)  # fmt: skip
+    snapshots = range(config.max_num_seqs + padding_slots(graphs, parallel), cache.num_slots)
     model.bind_kv_cache(cache)
     log.info(
         "boot_stage",
@@ -267,6 +280,7 @@ def boot(config: EngineConfig, context_length: int, ranks: RankGroup | None = No
         num_pages=num_pages,
         kv_cache_dtype=cache.kv_dtype,
         num_slots=cache.num_slots,
+        snapshot_slots=snapshots,
         graphs=decode_graphs,
         memory=MemoryReport(total, free, weights_bytes, cache.bytes, graph_bytes),
     )
@@ -279,13 +293,13 @@ def _cuda_pool_pages(
     weights_bytes: int,
     workspace: int,
     graph_bytes: int,
-    graphs: bool,
+    slots: int,
 ) -> int:
     free, total = torch.cuda.mem_get_info(device)
     budget = config.gpu_memory_utilization * total - (weights_bytes + graph_bytes + workspace)
     # Other processes may hold memory too: never plan past what is free now, less what steps and graphs need.
     budget = min(budget, free - workspace - graph_bytes)
-    fixed = (config.max_num_seqs + graphs) * layout.per_sequence_state_bytes
+    fixed = slots * layout.per_sequence_state_bytes
     fit = int((budget - fixed) // layout.bytes_per_page)
     pages = config.num_kv_pages or fit
     if pages < 1 or pages > fit:
@@ -294,7 +308,8 @@ def _cuda_pool_pages(
             f"(gpu_memory_utilization {config.gpu_memory_utilization} of {total} B, weights {weights_bytes} B, "
             f"peak workspace {workspace} B for max_num_batched_tokens {config.max_num_batched_tokens}, "
             f"{graph_bytes} B for CUDA graphs up to batch {config.cuda_graph_max_bs}, "
-            f"{fixed} B of per-request state for max_num_seqs {config.max_num_seqs}, {free} B free)"
+            f"{fixed} B of window and compressor state for {slots} slots (max_num_seqs {config.max_num_seqs}, padding, "
+            f"prefix snapshots), {free} B free)"
         )
     return pages
 

@@ -47,6 +47,11 @@ class EngineConfig:
         None, "largest decode batch captured as a CUDA graph (default: max_num_seqs, at most 16)"
     )
     enforce_eager: bool = _field(False, "never capture CUDA graphs: every decode step runs eagerly (for debugging)")
+    prefix_cache: bool = _field(
+        True,
+        "reuse the KV of earlier requests' prompt prefixes a page (256 tokens) at a time, with snapshots of the "
+        "window and compressor states (two a running request, counted in the pool's memory)",
+    )
     tensor_parallel_size: int = _field(
         1,
         "GPUs (one process each) the model is spread over: routed experts split over all of them, attention as "

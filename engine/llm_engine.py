@@ -56,6 +56,7 @@ class RequestOutput:
     new_token_ids: tuple[int, ...] = ()
     new_logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None  # with finish_reason "error": what failed
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
     @property
     def finished(self) -> bool:
@@ -71,6 +72,9 @@ class EngineLoad:
     running: int
     waiting: int
     preemptions: int  # since boot
+    prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache, since boot
+    prefix_hit_tokens: int  # ... and found there
+    prefix_cached_pages: int  # pages cached prefixes hold now
 
 
 @dataclass(frozen=True)
@@ -122,9 +126,9 @@ class LLMEngine:
         self.schedulers = [
             Scheduler(
                 config,
-                BlockManager(self.booted.num_pages, config.page_size, config.max_num_seqs),
+                BlockManager(self.booted.num_pages, config.page_size, config.max_num_seqs, self.booted.snapshot_slots),
                 partial(self.runner.release, replica=replica),
-            )  # fmt: skip
+            )
             for replica in range(len(self.runner.planners))
         ]
         # One request alone must always fit its replica's pool, so no request grows past it (see scheduler.py).
@@ -151,6 +155,9 @@ class LLMEngine:
             running=sum(len(s.running) for s in self.schedulers),
             waiting=sum(len(s.waiting) for s in self.schedulers),
             preemptions=sum(s.num_preemptions for s in self.schedulers),
+            prefix_queried_tokens=sum(s.blocks.queried_tokens for s in self.schedulers),
+            prefix_hit_tokens=sum(s.blocks.hit_tokens for s in self.schedulers),
+            prefix_cached_pages=sum(s.blocks.cached_pages for s in self.schedulers),
         )
 
     def capacity(self) -> EngineCapacity:
@@ -209,15 +216,17 @@ class LLMEngine:
         seq.max_output = output_budget(len(ids), params.max_tokens, self.max_request_tokens)
         if request_id is not None:
             seq.request_id = request_id
-        # The replica with the fewest requests, then the most free pages.
-        seq.replica = min(range(len(self.schedulers)), key=lambda r: self._replica_load(self.schedulers[r]))
+        # The replica with the longest cached prefix of the prompt, then the fewest requests, then the most free pages.
+        if len(self.schedulers) > 1:
+            seq.replica = min(range(len(self.schedulers)), key=lambda r: self._replica_rank(self.schedulers[r], seq))
         self.sequences[seq.request_id] = seq
         self.schedulers[seq.replica].add(seq)
         return seq.request_id
 
     @staticmethod
-    def _replica_load(scheduler: Scheduler) -> tuple[int, int]:
-        return len(scheduler.running) + len(scheduler.waiting), -scheduler.blocks.num_free
+    def _replica_rank(scheduler: Scheduler, seq: Sequence) -> tuple[int, int, int]:
+        cached = scheduler.blocks.cached_tokens(scheduler.prompt_keys(seq))
+        return -cached, len(scheduler.running) + len(scheduler.waiting), -scheduler.blocks.num_free
 
     def has_unfinished(self) -> bool:
         in_flight = self.in_flight.seqs if self.in_flight is not None else ()
@@ -327,4 +336,5 @@ class LLMEngine:
             finish_reason=reason,
             new_text=new_text,
             new_token_ids=new_token_ids,
+            cached_tokens=seq.cached_tokens or 0,
         )

@@ -84,6 +84,8 @@ class StepPlan:
     last_rows: list[int] = field(default_factory=list)  # the rows that sample
     width: int = 1  # page-table columns the step reads
     reset_slots: list[int] = field(default_factory=list)  # slots that start a request: ring and compressors afresh
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, slot): a cached prefix's state, first
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (slot, snapshot): copied after the step
     released: list[tuple[int, int]] = field(default_factory=list)  # (slot, entries) of page-table rows to zero
     sample: str = "none"  # "none", "device" (greedy: the argmax stays on the device) or "host" (logits to rank 0)
     # Agreed over the ranks (_agree): the decode graph every rank replays, or the rows they pad to for the MoE.
@@ -119,9 +121,14 @@ class _Planner:
         self.released = []
         for item in work:
             seq, n = item.seq, item.num_tokens
-            if seq.state is None:  # new to its slot: the slot's window ring and compressor state start afresh
-                seq.state = SequenceState(seq.slot)
-                plan.reset_slots.append(seq.slot)
+            if seq.state is None:  # new to its slot: its ring and compressor states start afresh or as cached
+                seq.state = SequenceState(seq.slot, seq.num_computed)
+                if item.restore is None:
+                    plan.reset_slots.append(seq.slot)
+                else:
+                    plan.restores.append((item.restore, seq.slot))
+            if item.snapshot is not None:
+                plan.snapshots.append((seq.slot, item.snapshot))
             state, start = seq.state, seq.num_computed
             if state.num_tokens != start:
                 raise ValueError(f"request continues at position {start} but has processed {state.num_tokens} tokens")
@@ -170,7 +177,7 @@ class ModelRunner:
         # the last (the planner knows how many of slot s's are there).
         width = booted.layout.pages_for(booted.context_length)
         self.page_tables = torch.zeros(booted.num_slots, width, dtype=torch.int32, device=self.device)
-        self.pad_slot = booted.num_slots - 1  # the graphs' and idle ranks' padding rows (when the cache has one)
+        self.pad_slot = booted.config.max_num_seqs  # the graphs' and idle ranks' padding rows (when the cache has one)
         self.tokens: torch.Tensor | None = None  # the last step's greedy tokens, on the device
         replicas = ranks.size if ranks is not None and self.data_parallel else 1
         self.planners = [_Planner(booted.num_slots, width) for _ in range(replicas)]
@@ -249,9 +256,12 @@ class ModelRunner:
         ids, positions, slots, lens = plan.ids, plan.positions, plan.slots, plan.lens
         if not lens:  # an idle data-parallel rank: one row at position 0 of the padding slot touches no page
             ids, positions, slots, lens = [0], [0], [self.pad_slot], [1]
-        parts = [ids, positions, slots, plan.src, plan.dst, plan.table_at, plan.table_pages, plan.last_rows]
+        copies = [[pair[i] for pair in pairs] for pairs in (plan.restores, plan.snapshots) for i in (0, 1)]
+        parts = [ids, positions, slots, plan.src, plan.dst, plan.table_at, plan.table_pages, plan.last_rows, *copies]
         data = self._to_device([v for part in parts for v in part]).split([len(part) for part in parts])
-        input_ids, positions_d, slots_d, src_d, dst_d, table_at_d, table_pages_d, last_rows_d = data
+        input_ids, positions_d, slots_d, src_d, dst_d, table_at_d, table_pages_d, last_rows_d, *copies_d = data
+        if plan.restores:
+            self.kv.copy_slots(copies_d[0], copies_d[1])
         if plan.table_at:
             self.page_tables.view(-1).index_copy_(0, table_at_d, table_pages_d.int())
         if plan.src:
@@ -269,6 +279,8 @@ class ModelRunner:
         else:
             streams = self.model.run_layers(batch)
             logits = self.model.logits(streams.index_select(0, last_rows_d)) if sampling else None
+        if plan.snapshots:
+            self.kv.copy_slots(copies_d[2], copies_d[3])
         if not sampling:
             return None, None
         tokens = None

@@ -4,8 +4,8 @@ Three limits shape a step: `max_num_seqs` requests run at once; `max_num_batched
 for every decoding request first, then prefill chunks in arrival order; and the page pool, where every running
 request holds the pages of the tokens it has processed. The scheduler owns the block manager
 (engine/cache/block_manager.py): it alone hands out and takes back pages and request slots. A waiting request is
-admitted only when the pages of its whole remaining prompt are free, so admission never pushes out a running
-request. When a running request needs a
+admitted only when the pages of its whole remaining prompt are free beside those the running requests still need for
+theirs, so admission never pushes out a running request. When a running request needs a
 page and none is free, the youngest running request is preempted by recompute: its pages and model state are
 dropped and it goes back to the front of the waiting queue, keeping its output; on re-admission its prompt and
 output are prefilled again and it goes on exactly where it was. The oldest request therefore always progresses: the
@@ -15,6 +15,13 @@ The engine schedules a step while the previous one still runs on the device (llm
 in flight is its last (`Sequence.out_of_budget`) leaves `running` and gives its pages back at once, as it would have
 finished before this step without the overlap; a preempted request whose token is in flight waits for it before it
 is re-admitted (its prefill needs every token on the host).
+
+With prefix caching (engine/cache/block_manager.py) a request is admitted with the longest cached prefix of its
+tokens: it shares that prefix's pages, its slot gets the prefix's snapshot (`ScheduledWork.restore`), and it
+prefills only the rest. A prompt's prefill ends a chunk at the prompt's last page boundary and the slot is copied
+into a snapshot there (`ScheduledWork.snapshot`), registered as a cached prefix once the step is queued (a later step
+may restore it); a decode step that completes a page copies the slot into the request's one output snapshot,
+registered when the request leaves (finished, aborted or preempted), when its tokens are all on the host.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.cache.block_manager import BlockManager
+from engine.cache.block_manager import BlockManager, prefix_keys
 from engine.config import EngineConfig
 from engine.model.state import SequenceState
 from engine.sequence import Sequence, Status
@@ -33,6 +40,8 @@ from engine.sequence import Sequence, Status
 class ScheduledWork:
     seq: Sequence
     num_tokens: int
+    restore: int | None = None  # the snapshot slot the request's slot starts from (a cached prefix's)
+    snapshot: int | None = None  # the snapshot slot its slot is copied into after this step
 
     @property
     def completes_prompt(self) -> bool:
@@ -49,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
+        self._to_register: list[tuple[list[int], list[int], int]] = []  # prompt snapshots taken by this step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,27 +82,126 @@ class Scheduler:
             decodes_behind = (
                 0 if seq.decoding else sum(s.decoding and not s.out_of_budget for s in self.running[i + 1 :])
             )
-            n = min(seq.num_pending, budget - decodes_behind)
+            n = self._chunk(seq, budget - decodes_behind)
             if n > 0:
                 if not self._hold_pages(seq, seq.num_computed + n):
                     break  # it was the youngest and went back to waiting; nobody runs behind it
-                work.append(ScheduledWork(seq, n))
+                work.append(self._work(seq, n))
                 budget -= n
             i += 1
+        # Pages the running requests still need for the tokens they have (prompts prefilled in chunks): admission
+        # leaves them free, so it never pushes out a running request.
+        page = self.blocks.page_size
+        pending = sum(seq.page_table.pages_needed(seq.num_tokens, page) for seq in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_in_flight:  # preempted with a token in flight: re-admitted once it is read
                 break
-            if seq.page_table.pages_needed(seq.num_tokens, self.blocks.page_size) > self.blocks.num_free:
+            keys = self._keys(seq)
+            cached = self.blocks.lookup(keys)
+            reused = cached.pages if cached is not None else ()
+            needed = seq.page_table.pages_needed(seq.num_tokens, page) - len(reused)
+            if needed > self.blocks.free_if_shared(reused) - pending:
+                break
+            if self._wait_for_shared_prefix(keys, len(reused) * self.blocks.page_size, work):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             seq.slot = self.blocks.take_slot()  # one is free: at most max_num_seqs run
-            n = min(seq.num_pending, budget)
+            restore = None
+            if cached is not None:
+                self.blocks.share(cached.pages)
+                seq.page_table.pages = list(cached.pages)
+                seq.num_computed, restore = cached.tokens, cached.snapshot
+            if seq.cached_tokens is None:  # the first admission's reuse is the request's
+                seq.cached_tokens = seq.num_computed
+                self.blocks.queried_tokens += len(seq.prompt_ids)
+                self.blocks.hit_tokens += seq.num_computed
+            n = self._chunk(seq, budget)
             seq.page_table.grow(self.blocks, seq.num_computed + n)
-            work.append(ScheduledWork(seq, n))
+            pending += seq.page_table.pages_needed(seq.num_tokens, page)
+            work.append(self._work(seq, n, restore))
             budget -= n
+        for tokens, pages, snapshot in self._to_register:
+            self.blocks.register(tokens, pages, snapshot)
+        self._to_register = []
+        return work
+
+    def _keys(self, seq: Sequence) -> list[bytes]:
+        """The prefix-cache keys of the request's tokens at each page boundary that leaves one to compute."""
+        if seq.num_tokens > len(seq.prompt_ids) and self.blocks.caching:
+            return prefix_keys(seq.token_ids(0, seq.num_tokens), self.blocks.page_size, seq.num_tokens - 1)
+        return self.prompt_keys(seq)
+
+    def prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """Those of its prompt, made once."""
+        if not self.blocks.caching:
+            return []
+        if seq.prompt_keys is None:
+            seq.prompt_keys = prefix_keys(seq.prompt_ids, self.blocks.page_size, len(seq.prompt_ids) - 1)
+        return seq.prompt_keys
+
+    def _wait_for_shared_prefix(self, keys: list[bytes], cached: int, work: list[ScheduledWork]) -> bool:
+        """Requests that arrive together with a common prefix compute it once: when a running request has not yet
+        computed past a longer common prefix (whole pages) than the cache holds, it takes a snapshot there (this
+        step's chunk shortened to end there if it would run past) and the new request waits for it."""
+        page = self.blocks.page_size
+        scheduled = {item.seq.request_id: item for item in work}
+        for other in self.running:
+            other_keys = self.prompt_keys(other)
+            common = next((j for j, (a, b) in enumerate(zip(keys, other_keys, strict=False)) if a != b),
+                          min(len(keys), len(other_keys)))  # fmt: skip
+            shared = common * page
+            if shared <= cached or other.num_computed >= shared:
+                continue
+            other.prompt_boundaries.add(shared)
+            item = scheduled.get(other.request_id)
+            if item is not None and other.num_computed + item.num_tokens > shared:
+                item.num_tokens = shared - other.num_computed
+                self._prompt_snapshot(item, shared)
+            elif item is not None and other.num_computed + item.num_tokens == shared and item.snapshot is None:
+                self._prompt_snapshot(item, shared)
+            return True
+        return False
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens `seq` runs in this step, within `budget`: with prefix caching a prompt's prefill stops at each
+        of its snapshot boundaries first."""
+        n = min(seq.num_pending, budget)
+        ahead = [b for b in self._boundaries(seq) if b > seq.num_computed]
+        return min(n, min(ahead) - seq.num_computed) if ahead else n
+
+    def _boundaries(self, seq: Sequence) -> set[int]:
+        """Where its prompt's prefill takes snapshots: the prompt's last page boundary that leaves a token to
+        compute, and the common prefixes of requests waiting for it; none without prefix caching."""
+        if not self.blocks.caching:
+            return set()
+        return seq.prompt_boundaries | {(len(seq.prompt_ids) - 1) // self.blocks.page_size * self.blocks.page_size}
+
+    def _prompt_snapshot(self, work: ScheduledWork, end: int) -> None:
+        """`work` ends at `end`, a snapshot boundary of its prompt: its slot is copied there, and registered once
+        the step is queued (a snapshot it was to take further on is taken there instead)."""
+        if work.snapshot is None:
+            work.snapshot = self.blocks.take_snapshot()
+        else:
+            self._to_register = [r for r in self._to_register if r[2] != work.snapshot]
+        if work.snapshot is not None:
+            self._to_register.append((work.seq.prompt_ids[:end], work.seq.page_table.pages, work.snapshot))
+
+    def _work(self, seq: Sequence, n: int, restore: int | None = None) -> ScheduledWork:
+        """The step's work for `seq`, with the snapshot it takes when it completes a cacheable page boundary."""
+        work = ScheduledWork(seq, n, restore)
+        end = seq.num_computed + n
+        if not self.blocks.caching or end % self.blocks.page_size or end == 0:
+            return work
+        if end in self._boundaries(seq):
+            self._prompt_snapshot(work, end)
+        elif end >= len(seq.prompt_ids):  # the prompt's end, or a page of output: the request's one output snapshot
+            if seq.output_snapshot is None:
+                seq.output_snapshot = self.blocks.take_snapshot()
+            if seq.output_snapshot is not None:
+                work.snapshot, seq.output_snapshot_tokens = seq.output_snapshot, end
         return work
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -125,6 +234,13 @@ class Scheduler:
         if seq.state is not None:
             self.release(seq.state)
             seq.state = None
+        if seq.output_snapshot is not None:  # its tokens up to the snapshot are all on the host now
+            end = seq.output_snapshot_tokens
+            if end and end <= len(seq.prompt_ids) + len(seq.output_ids):
+                self.blocks.register(seq.token_ids(0, end), seq.page_table.pages, seq.output_snapshot)
+            else:
+                self.blocks.release_snapshot(seq.output_snapshot)
+            seq.output_snapshot, seq.output_snapshot_tokens = None, 0
         seq.page_table.release(self.blocks)
         if seq.slot is not None:
             self.blocks.free_slot(seq.slot)

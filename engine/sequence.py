@@ -62,6 +62,13 @@ class Sequence:
     page_table: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None
     num_in_flight: int = 0  # sampled tokens still on the device, not yet in `output_ids`
+    # Prefix caching: prompt tokens its first admission took from cached prefixes (None until admitted), and the
+    # snapshot slot of the latest page boundary its output reached (registered when it leaves; engine/scheduler.py).
+    cached_tokens: int | None = None
+    prompt_keys: list[bytes] | None = None  # its prompt's prefix-cache keys, a page boundary each
+    prompt_boundaries: set[int] = field(default_factory=set)  # common prefixes others wait for it to snapshot
+    output_snapshot: int | None = None
+    output_snapshot_tokens: int = 0
     # The most tokens it may generate (`output_budget`), set when the engine adds it.
     max_output: int = field(init=False)
     stop_token_ids: frozenset[int] = field(init=False)

@@ -22,7 +22,7 @@ class MainRows:
     """One layer's main KV rows in pages."""
 
     def __init__(self, num_pages: int, rows_per_page: int, head_dim: int, rope_dim: int, dtype: str, device):
-        self.rows_per_page, self.head_dim, self.rope_dim = rows_per_page, head_dim, rope_dim
+        self.num_pages, self.rows_per_page, self.head_dim, self.rope_dim = num_pages, rows_per_page, head_dim, rope_dim
         self.fp8 = dtype == "fp8_e4m3"
         if self.fp8:
             row_bytes = main_row_bytes(head_dim, rope_dim)
@@ -40,6 +40,11 @@ class MainRows:
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Physical `slots` [N] -> rows [N, head_dim] fp32 (dequantised)."""
         return read_main_rows(self.storage, slots, self.rows_per_page, self.head_dim, self.rope_dim)
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Pages `src` [N] into pages `dst` [N] (a window ring's page is a request slot)."""
+        pages = self.storage.view(self.num_pages, -1)
+        pages.index_copy_(0, dst, pages.index_select(0, src))
 
 
 class IndexKeys:
@@ -96,6 +101,13 @@ class LayerKV:
                 state[0][slot].zero_()
                 state[1][slot].fill_(float("-inf"))
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots `src` into slots `dst`: window rings and unfinished windows (a snapshot taken or restored)."""
+        self.ring.copy_pages(src, dst)
+        for state in (self.comp_state, self.index_state):
+            for tensor in state or ():
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
 
 def _compressor_buffers(num_slots: int, ratio: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     coff = 2 if ratio == 4 else 1
@@ -124,6 +136,11 @@ class ModelKVCache:
     def reset_slot(self, slot: int) -> None:
         for layer in self.layers:
             layer.reset_slot(slot)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Each slot of `src` [N] into the slot of `dst` [N] at the same place, in every layer (on the device)."""
+        for layer in self.layers:
+            layer.copy_slots(src, dst)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds: rows, index keys and compressor states."""

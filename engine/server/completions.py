@@ -74,7 +74,7 @@ class _Formatter:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self._reasoning_tokens(output.token_ids)},
         }
 

@@ -82,6 +82,11 @@ def server_info(engine: LLMEngine, build: str, capabilities: dict[str, Any]) -> 
         "gpu_memory": memory,
         # Each rank's GPU (tensor_parallel_size of them; config.attention says how they share the work).
         "gpu_memory_per_rank": per_rank,
+        "prefix_cache": {
+            "enabled": config.prefix_cache,
+            "snapshot_slots": len(engine.booted.snapshot_slots),
+            "snapshot_bytes": engine.capacity().per_sequence_state_bytes,
+        },
         "capabilities": capabilities,
     }
 

@@ -1,7 +1,9 @@
 """GET /metrics: the contract's `flashgate_*` Prometheus names. Gauges and counters are read from the engine loop's
 last published stats at scrape time; the latency histograms are observed by the loop as requests progress.
 
-Beyond the contract, for benchmarks and capacity planning: `flashgate_steps_total{kind}` (decode or prefill steps
+The prefix cache: `flashgate_prefix_cache_queries_tokens_total` and `flashgate_prefix_cache_hits_tokens_total`
+(prompt tokens looked up, and found), `flashgate_prefix_cache_pages`. Beyond the contract, for benchmarks and capacity
+planning: `flashgate_steps_total{kind}` (decode or prefill steps
 run) and `flashgate_moe_experts_touched_total{kind,layer}` (distinct routed experts each MoE layer read, summed over
 those steps; decode steps replayed from CUDA graphs include their padding rows). The expert counts live on the
 device and are copied from it at scrape time only."""
@@ -30,6 +32,9 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     preemptions: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_cached_pages: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     expert_counts: ExpertCounts | None = None  # live counters, read when scraped
@@ -74,6 +79,18 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("flashgate_prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
         yield CounterMetricFamily("flashgate_generation_tokens", "Output tokens generated", s.generation_tokens)
         yield CounterMetricFamily("flashgate_preemptions", "Requests preempted by recompute", s.preemptions)
+        yield CounterMetricFamily(
+            "flashgate_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            s.prefix_queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "flashgate_prefix_cache_hits_tokens", "Prompt tokens taken from the prefix cache", s.prefix_hit_tokens
+        )
+        yield GaugeMetricFamily(
+            "flashgate_prefix_cache_pages", "KV pages cached prefixes hold (free to take when needed)",
+            s.prefix_cached_pages,
+        )  # fmt: skip
         if s.expert_counts is None:
             return
         counts = s.expert_counts.read()

@@ -67,7 +67,8 @@ def streamed(server, **kwargs: Any) -> dict[str, Any]:
     assert len(reasons) == 1 and reasons[0] in FINISH_REASONS
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.prompt_tokens > 0
-    assert usage.prompt_tokens_details.cached_tokens == 0 and usage.completion_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens  # whole 256-token pages an earlier request computed
+    assert 0 <= cached < usage.prompt_tokens and cached % 256 == 0 and usage.completion_tokens_details is not None
     calls: dict[int, dict[str, str]] = {}
     for chunk in chunks:
         for fragment in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
@@ -415,3 +416,29 @@ def test_responses_refuses_state_it_does_not_keep(server, body, param):
 def test_nothing_was_logged_as_an_error(server):
     errors = [e for e in server.logs() if e["level"] in ("error", "critical")]
     assert not errors, errors
+
+
+def test_an_agents_next_turn_reports_the_prompt_tokens_it_reused(server):
+    """Pi's next turn re-sends the conversation: chat, completions and the Responses API report the whole pages taken
+    from the prefix cache in their usage, and /metrics counts them as hits among the prompt tokens looked up."""
+    history = [{"role": "system", "content": "You are a coding agent. " + "Read the files. " * 60},
+               {"role": "user", "content": "Summarise the repository layout in one line."}]  # fmt: skip
+    before = server.metrics()
+    first = chat(server, messages=history, max_tokens=8)
+    history += [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
+                {"role": "user", "content": "And the tests?"}]  # fmt: skip
+    second = chat(server, messages=history, max_tokens=8)
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens > 512 and reused >= 512 and reused % 256 == 0
+    ids = list(range(5, 5 + 600))
+    plain = [server.client.completions.create(model=MODEL, prompt=ids + [7, 8], max_tokens=2) for _ in range(2)]
+    assert plain[1].usage.prompt_tokens_details.cached_tokens == 512
+    response = server.http.post("/v1/responses", json={"model": MODEL, "input": history[1:], "instructions":
+                                history[0]["content"], "max_output_tokens": 4}).json()  # fmt: skip
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] >= 512
+    after = server.metrics()
+    hits = after["flashgate_prefix_cache_hits_tokens_total"] - before["flashgate_prefix_cache_hits_tokens_total"]
+    queried = (
+        after["flashgate_prefix_cache_queries_tokens_total"] - before["flashgate_prefix_cache_queries_tokens_total"]
+    )
+    assert hits >= reused + 512 and queried >= first.usage.prompt_tokens + second.usage.prompt_tokens

@@ -30,7 +30,9 @@ SERVER_INFO_KEYS = {
     "kv_bytes_per_token",
     "per_sequence_state_bytes",
     "gpu_memory",
+    "gpu_memory_per_rank",
     "max_concurrency_at_full_context",
+    "prefix_cache",
 }
 CONTRACT_METRICS = (
     "flashgate_kv_capacity_tokens",
