@@ -30,3 +30,18 @@ def test_the_serving_benchmark_smoke_run(tmp_path):
     # step of up to 4 requests read.
     assert summary["decode_steps"] > 0 and len(summary["decode_experts_touched"]) == 6
     assert all(1 <= touched <= 8 for touched in summary["decode_experts_touched"])
+
+
+def test_the_prefix_cache_benchmark_smoke_run(tmp_path):
+    """bench/prefix.py's machinery on the tiny model: both engines, the sessions, the burst, the report's figures."""
+    done = subprocess.run([sys.executable, "bench/prefix.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "prefix.json").read_text())
+    summary, turns = report["summary"], report["cache_on"]["tool_session"]
+    assert report["cache_on"]["prefix_cache"]["enabled"] and not report["cache_off"]["prefix_cache"]["enabled"]
+    assert len(turns) == 8 and all(t["cached_tokens"] > 0 for t in turns[1:])
+    assert all(t["cached_tokens"] == 0 for t in report["cache_off"]["tool_session"])
+    assert 0 < summary["session_hit_rate"] < 1 and 0 < summary["burst_cached_fraction"] < 1
+    assert summary["turn_ttft_ratio"] > 0 and summary["decode_ratio_cache_on"] > 0
+    assert "turn_ttft_ratio" in (tmp_path / "prefix.md").read_text()

@@ -1,0 +1,232 @@
+"""The prefix cache's benchmark (issue 26), meant for the H200: `python -m engine serve` on the V4-Flash-width model
+of bench/shapes.py (seeded random bf16 weights made on the GPU), once with the prefix cache and once without
+(`--no-prefix-cache`), each driven through /v1/chat/completions as a coding agent drives it:
+
+- an agent-shaped session of 8 turns with tools: a system prompt, the tools, a file the agent read (about 16K
+  tokens in all), then each turn re-sends the assistant's earlier answers and a tool result of about 1K new tokens
+  (to about 23K): TTFT per turn, and the share of prompt tokens the engine reports as cached over turns 2-8;
+- the same session in thinking mode without tools, where the chat template drops earlier turns' reasoning (see
+  ../shared/reference/dsv4-chat-format.md), reported as it is;
+- the shared-prefix tool burst of ../shared/reference/qualification.md: 3 requests at once with the same system
+  prompt and tools and their own question; the cached share of the later two's prompts;
+- decode tok/s of one 512-token answer, with the cache against without.
+
+Writes prefix.json and prefix.md with turn_ttft_ratio (mean TTFT of turns 2-8 with the cache / without),
+session_hit_rate, burst_cached_fraction, decode_ratio_cache_on, gpu, commit, date.
+
+    python bench/prefix.py --out bench/results       # on the GPU machine
+    python bench/prefix.py --smoke                   # the tiny checkpoint on the CPU, small sizes: its machinery
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.provenance import provenance  # noqa: E402
+from bench.serve import Engine  # noqa: E402
+from bench.shapes import write_model_dir  # noqa: E402
+
+TURNS = 8
+FULL = {"first_tokens": 16384, "turn_tokens": 1024, "answer_tokens": 64, "decode_tokens": 512}
+SMOKE = {"first_tokens": 600, "turn_tokens": 80, "answer_tokens": 8, "decode_tokens": 32}
+ENGINE_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-num-seqs", "4", "--context-length", "65536",
+                "--max-num-batched-tokens", "8192"]  # fmt: skip
+SMOKE_FLAGS = ["--dtype", "float32", "--max-num-seqs", "4", "--context-length", "4096"]
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "description": "a file in the repository"}},
+        "required": ["path"]}}}
+    for name, description in (("read_file", "Read a file of the repository"), ("run_tests", "Run a test file"),
+                              ("list_dir", "List a directory"))
+]  # fmt: skip
+WORDS = ["def", "class", "return", "import", "self", "value", "engine", "page", "cache", "token", "prompt", "layer",
+         "window", "state"]  # fmt: skip
+
+
+def text(tokens: int, seed: int, tokens_per_word: float) -> str:
+    """Words to about `tokens` tokens (at the measured tokens a word)."""
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(WORDS), (max(1, int(tokens / tokens_per_word)),), generator=gen).tolist()
+    return " ".join(WORDS[i] for i in picks)
+
+
+class Chat:
+    def __init__(self, url: str, model: str):
+        self.client, self.model = httpx.Client(base_url=url, timeout=httpx.Timeout(None)), model
+
+    def __call__(self, messages: list[dict], max_tokens: int, **extra) -> dict:
+        """One streamed chat completion: TTFT (to the first chunk after the role), the answer as a message to send
+        back, the usage."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True} | extra  # fmt: skip
+        started, first, content, calls, usage = time.monotonic(), None, [], {}, None
+        with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    delta = choice["delta"]
+                    if first is None and (delta.get("content") or delta.get("tool_calls")
+                                          or delta.get("reasoning_content")):  # fmt: skip
+                        first = time.monotonic()
+                    content.append(delta.get("content") or "")
+                    for call in delta.get("tool_calls") or []:
+                        empty = {"id": call.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+                        entry = calls.setdefault(call["index"], empty)
+                        entry["function"]["name"] += call.get("function", {}).get("name") or ""
+                        entry["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
+        message = {"role": "assistant", "content": "".join(content)}
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return {"ttft_s": (first or time.monotonic()) - started, "message": message, "usage": usage,
+                "wall_s": time.monotonic() - started}  # fmt: skip
+
+
+def session(chat: Chat, sizes: dict, tokens_per_word: float, tools: bool, thinking: bool) -> list[dict]:
+    """8 turns; each re-sends the conversation so far and adds about turn_tokens new tokens (a tool result, or a
+    user message without tools)."""
+    system = "You are a coding agent working in a repository. " + text(512, 1, tokens_per_word)
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Here is engine/scheduler.py:\n" + text(sizes["first_tokens"] - 512, 2,
+                                                                                   tokens_per_word)}]  # fmt: skip
+    extra = {"tools": TOOLS} if tools else {}
+    if thinking:
+        extra["chat_template_kwargs"] = {"thinking": True}
+    turns = []
+    for turn in range(TURNS):
+        result = chat(messages, sizes["answer_tokens"], **extra)
+        usage = result["usage"]
+        turns.append({"turn": turn + 1, "ttft_s": round(result["ttft_s"], 4), "prompt_tokens": usage["prompt_tokens"],
+                      "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})  # fmt: skip
+        answer = result["message"]
+        messages.append(answer)
+        new = text(sizes["turn_tokens"], 10 + turn, tokens_per_word)
+        if tools and answer.get("tool_calls"):
+            messages += [{"role": "tool", "tool_call_id": call["id"], "content": new} for call in answer["tool_calls"]]
+        else:
+            messages.append({"role": "user", "content": "And this one:\n" + new})
+    return turns
+
+
+def burst(chat: Chat, sizes: dict, tokens_per_word: float) -> list[dict]:
+    """3 requests at once: one system prompt and the tools, each its own question."""
+    system = "You are a coding agent. " + text(sizes["first_tokens"] // 2, 3, tokens_per_word)
+    results: list[dict | None] = [None] * 3
+
+    def one(i: int) -> None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: " +
+                    text(64, 20 + i, tokens_per_word)}]  # fmt: skip
+        results[i] = chat(messages, sizes["answer_tokens"], tools=TOOLS)["usage"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # in this order, as a client sends them
+    for thread in threads:
+        thread.join()
+    return [{"prompt_tokens": u["prompt_tokens"], "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+            for u in results]  # fmt: skip
+
+
+def decode_tok_s(chat: Chat, sizes: dict) -> float:
+    result = chat([{"role": "user", "content": "Write."}], sizes["decode_tokens"])
+    return round(sizes["decode_tokens"] / (result["wall_s"] - result["ttft_s"]), 2)
+
+
+def measure(model: str, flags: list[str], sizes: dict, log: Path) -> dict:
+    engine = Engine(model, flags, log)
+    try:
+        info = httpx.get(f"{engine.url}/server_info").json()
+        chat = Chat(engine.url, info["served_model_name"])
+        probe = chat([{"role": "user", "content": text(400, 0, 1.0)}], 1)["usage"]["prompt_tokens"]
+        tokens_per_word = probe / 400  # the chat template's few tokens included: close enough for sizes
+        return {
+            "prefix_cache": info["prefix_cache"],
+            "tool_session": session(chat, sizes, tokens_per_word, tools=True, thinking=False),
+            "thinking_session": session(chat, sizes, tokens_per_word, tools=False, thinking=True),
+            "burst": burst(chat, sizes, tokens_per_word),
+            "decode_tok_s": decode_tok_s(chat, sizes),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        }
+    finally:
+        engine.stop()
+
+
+def hit_rate(turns: list[dict]) -> float:
+    later = turns[1:]
+    return round(sum(t["cached_tokens"] for t in later) / sum(t["prompt_tokens"] for t in later), 4)
+
+
+def summary(on: dict, off: dict) -> dict:
+    mean_ttft = [statistics.mean(t["ttft_s"] for t in run["tool_session"][1:]) for run in (on, off)]
+    later = on["burst"][1:]
+    return {
+        "turn_ttft_ratio": round(mean_ttft[0] / mean_ttft[1], 4),
+        "session_hit_rate": hit_rate(on["tool_session"]),
+        "thinking_session_hit_rate": hit_rate(on["thinking_session"]),
+        "burst_cached_fraction": round(
+            sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later), 4
+        ),  # fmt: skip
+        "decode_ratio_cache_on": round(on["decode_tok_s"] / off["decode_tok_s"], 4),
+    }
+
+
+def markdown(report: dict) -> str:
+    s, on, off = report["summary"], report["cache_on"], report["cache_off"]
+    lines = [f"# Prefix cache — {report['gpu']}, {report['date']}, commit {report['commit']}", "",
+             "`python bench/prefix.py --out bench/results`" + (" (--smoke)" if report["smoke"] else ""), "",
+             "| metric | value | target |", "|---|---|---|",
+             f"| turn_ttft_ratio (turns 2-8, cache / none) | {s['turn_ttft_ratio']} | <= 0.10 |",
+             f"| session_hit_rate (turns 2-8) | {s['session_hit_rate']} | >= 0.90 |",
+             f"| thinking session hit rate (reported as it is) | {s['thinking_session_hit_rate']} | |",
+             f"| burst_cached_fraction (later two) | {s['burst_cached_fraction']} | >= 0.90 |",
+             f"| decode_ratio_cache_on | {s['decode_ratio_cache_on']} | >= 0.98 |", "",
+             "| turn | prompt tokens | cached | TTFT with cache (s) | TTFT without (s) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for a, b in zip(on["tool_session"], off["tool_session"], strict=True):
+        lines.append(f"| {a['turn']} | {a['prompt_tokens']} | {a['cached_tokens']} | {a['ttft_s']} | {b['ttft_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="directory for prefix.json and prefix.md")
+    parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on the CPU, small sizes")
+    args = parser.parse_args()
+    sizes = SMOKE if args.smoke else FULL
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            from engine.tools.make_tiny import make_tiny
+
+            model, flags = str(make_tiny(Path(tmp) / "tiny")), SMOKE_FLAGS
+        else:
+            model, flags = str(write_model_dir(Path(tmp) / "v4-flash-width")), ENGINE_FLAGS
+        on = measure(model, flags, sizes, Path(tmp) / "engine-on.log")
+        off = measure(model, [*flags, "--no-prefix-cache"], sizes, Path(tmp) / "engine-off.log")
+    report = {**provenance(), "gpu": on["gpu"], "smoke": args.smoke, "sizes": sizes, "summary": summary(on, off),
+              "cache_on": on, "cache_off": off}  # fmt: skip
+    print(json.dumps(report["summary"], indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "prefix.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "prefix.md").write_text(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
