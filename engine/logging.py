@@ -23,6 +23,7 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line (message and newline together): the ranks of one engine share its stderr.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -16,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.slow  # whole engines, several turns each, with and without the cache
 PAGE = 256
 
 
