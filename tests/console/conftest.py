@@ -11,6 +11,8 @@ from litestar.testing import TestClient
 
 from app.main import create_app
 from app.settings import load_settings
+from app.telemetry.gpus import NvmlGpus
+from tests.console.fake_nvml import FakeNvml
 from tests.support import form_csrf, sign_in
 
 ADMIN_TOKEN = "fg_test-admin-token"
@@ -92,3 +94,22 @@ def operator(operator_token) -> dict[str, str]:
 def sign_in_fixture(client: TestClient) -> Callable[[str, str], str]:
     """Sign in through the console's form, leaving the session cookie on the client; returns a CSRF token."""
     return lambda name, token: sign_in(client, name, token)
+
+
+@pytest.fixture
+def gpu_console(data_dir, tiny_models_dir):
+    """The console on a "GPU host": the real NVML code over the fake pynvml, weights present."""
+
+    def make(nvml: FakeNvml) -> TestClient:
+        settings = load_settings(
+            {
+                "FLASHGATE_DATA_DIR": str(data_dir),
+                "FLASHGATE_MODELS_DIR": str(tiny_models_dir),
+                "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
+                "FLASHGATE_MAKE_TINY": "0",
+                "FLASHGATE_TELEMETRY_INTERVAL_S": "0.2",
+            }
+        )
+        return TestClient(create_app(settings, gpus=NvmlGpus(nvml=nvml, wsl=nvml.wsl)))
+
+    return make

@@ -7,12 +7,8 @@ from __future__ import annotations
 import sqlite3
 import time
 
-import pytest
 from litestar.testing import TestClient
 
-from app.main import create_app
-from app.settings import load_settings
-from app.telemetry.gpus import NvmlGpus
 from tests.console.conftest import ADMIN_TOKEN
 from tests.console.fake_nvml import GIB, FakeGpu, FakeNvml
 from tests.support import sign_in
@@ -26,25 +22,6 @@ def counts(data_dir) -> tuple[int, int]:
             conn.execute("SELECT count(*) FROM engine_run").fetchone()[0],
             conn.execute("SELECT count(*) FROM audit").fetchone()[0],
         )
-
-
-@pytest.fixture
-def gpu_console(data_dir, tiny_models_dir):
-    """The console on a "GPU host": the real NVML code over the fake pynvml, weights present."""
-
-    def make(nvml: FakeNvml) -> TestClient:
-        settings = load_settings(
-            {
-                "FLASHGATE_DATA_DIR": str(data_dir),
-                "FLASHGATE_MODELS_DIR": str(tiny_models_dir),
-                "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-                "FLASHGATE_MAKE_TINY": "0",
-                "FLASHGATE_TELEMETRY_INTERVAL_S": "0.2",
-            }
-        )
-        return TestClient(create_app(settings, gpus=NvmlGpus(nvml=nvml, wsl=nvml.wsl)))
-
-    return make
 
 
 def test_idle_engine(client, viewer):

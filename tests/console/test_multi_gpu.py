@@ -21,12 +21,11 @@ from app.engine_control.docker_driver import DockerDriver
 from app.engine_control.driver import EngineCommand, engine_args, engine_env
 from app.engine_control.models import EngineRun, RunState
 from app.engine_control.process_driver import ProcessDriver
-from app.main import SEED_DIR, create_app
+from app.main import SEED_DIR
 from app.profiles.models import Profile
 from app.profiles.schemas import content_hash
 from app.profiles.service import settings_of
 from app.settings import load_settings
-from app.telemetry.gpus import NvmlGpus
 from tests.console.conftest import ADMIN_TOKEN
 from tests.console.fake_nvml import GIB, FakeGpu, FakeNvml
 from tests.support import free_port, sign_in
@@ -38,22 +37,9 @@ FIELD_128K_HASH = "c02634ed8a90924b9564e0290ddcd8f6dfd9a624083aad855f5405a90a696
 
 
 @pytest.fixture
-def gpu_host(data_dir, tiny_models_dir):
+def gpu_host(gpu_console):
     """The console on a host with these GPUs (NVML's indices 0..n-1), the tiny checkpoint's weights present."""
-
-    def make(*gpus: FakeGpu) -> TestClient:
-        settings = load_settings(
-            {
-                "FLASHGATE_DATA_DIR": str(data_dir),
-                "FLASHGATE_MODELS_DIR": str(tiny_models_dir),
-                "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-                "FLASHGATE_MAKE_TINY": "0",
-                "FLASHGATE_TELEMETRY_INTERVAL_S": "0.2",
-            }
-        )
-        return TestClient(create_app(settings, gpus=NvmlGpus(nvml=FakeNvml(list(gpus)), wsl=False)))
-
-    return make
+    return lambda *gpus: gpu_console(FakeNvml(list(gpus)))
 
 
 def counts(data_dir: Path) -> tuple[int, int, int]:
