@@ -60,6 +60,7 @@ class BlockManager:
         self._holders = [0] * num_pages  # page tables and cached prefixes holding each page
         self._cached = [0] * num_pages  # ... of which cached prefixes
         self._evictable = 0  # pages only cached prefixes hold
+        self.cached_pages = 0  # pages some cached prefix holds
         # Prefix caching is on when there are snapshot slots (slots of the cache beyond the requests' own).
         self.prefixes: OrderedDict[bytes, CachedPrefix] = OrderedDict()  # least recently used first
         self._free_snapshots = list(reversed(snapshot_slots))
@@ -78,10 +79,6 @@ class BlockManager:
     @property
     def used_tokens(self) -> int:
         return (self.num_pages - self.num_free) * self.page_size
-
-    @property
-    def cached_pages(self) -> int:
-        return sum(1 for n in self._cached if n)
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
@@ -108,11 +105,12 @@ class BlockManager:
             self._hold(page, 1, 0)
 
     def _hold(self, page: int, holders: int, cached: int) -> None:
-        was = self._holders[page] == self._cached[page] > 0
+        was, was_cached = self._holders[page] == self._cached[page] > 0, self._cached[page] > 0
         self._holders[page] += holders
         self._cached[page] += cached
         now = self._holders[page] == self._cached[page] > 0
         self._evictable += now - was
+        self.cached_pages += (self._cached[page] > 0) - was_cached
         if self._holders[page] == 0:
             self._free.append(page)
 
