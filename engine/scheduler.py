@@ -93,7 +93,7 @@ class Scheduler:
         # leaves them free, so it never pushes out a running request.
         page = self.blocks.page_size
         pending = sum(seq.page_table.pages_needed(seq.num_tokens, page) for seq in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_in_flight:  # preempted with a token in flight: re-admitted once it is read
                 break
@@ -101,9 +101,10 @@ class Scheduler:
             cached = self.blocks.lookup(keys)
             reused = cached.pages if cached is not None else ()
             needed = seq.page_table.pages_needed(seq.num_tokens, page) - len(reused)
-            if needed > self.blocks.free_if_shared(reused) - pending:
-                break
-            if self._wait_for_shared_prefix(keys, len(reused) * self.blocks.page_size, work):
+            fits = budget > 0 and needed <= self.blocks.free_if_shared(reused) - pending
+            # Checked also when it cannot run yet (the step's tokens spent by a long prefill): a running prompt it
+            # shares more with than the cache holds snapshots there while it computes, so that prefix runs once.
+            if self._wait_for_shared_prefix(keys, len(reused) * self.blocks.page_size, work) or not fits:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -142,3 +142,16 @@ def test_requests_arriving_together_compute_their_common_prefix_once(tiny_dir):
         assert [o.token_ids for o in with_cache] == [o.token_ids for o in plain_llm.generate(prompts, params)]
     assert [o.cached_tokens for o in with_cache] == [0, 512, 512]
     assert sum(computed.values()) == sum(map(len, prompts)) - 2 * 512
+
+
+def test_a_request_that_waits_behind_a_long_prefill_still_shares_its_prefix(tiny_dir):
+    """A page of tokens a step: the first prompt's prefill spends every step's budget, so the second cannot run yet,
+    but the first snapshots at their common pages (768 tokens) and the second starts from there."""
+    common = _tokens(900, seed=21)
+    prompts = [common + _tokens(150, seed=22), common + _tokens(150, seed=23)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with _llm(tiny_dir, True, max_num_batched_tokens=PAGE, num_kv_pages=40) as cached_llm:
+        computed = count_computed_prompt_tokens(cached_llm.engine)
+        with_cache = cached_llm.generate(prompts, params)
+    assert [o.cached_tokens for o in with_cache] == [0, 768]
+    assert [computed[o.request_id] for o in with_cache] == [len(prompts[0]), len(prompts[1]) - 768]
