@@ -216,13 +216,14 @@ def main() -> int:
             model, flags = str(make_tiny(Path(tmp) / "tiny")), SMOKE_FLAGS
         else:
             model, flags = str(write_model_dir(Path(tmp) / "v4-flash-width")), ENGINE_FLAGS
-        on = measure(model, flags, sizes, Path(tmp) / "engine-on.log")
-        off = measure(model, [*flags, "--no-prefix-cache"], sizes, Path(tmp) / "engine-off.log")
+        logs = args.out or Path(tmp)  # beside the results, kept also when a run fails
+        logs.mkdir(parents=True, exist_ok=True)
+        on = measure(model, flags, sizes, logs / "prefix-engine-on.log")
+        off = measure(model, [*flags, "--no-prefix-cache"], sizes, logs / "prefix-engine-off.log")
     report = {**provenance(), "gpu": on["gpu"], "smoke": args.smoke, "sizes": sizes, "summary": summary(on, off),
               "cache_on": on, "cache_off": off}  # fmt: skip
     print(json.dumps(report["summary"], indent=2))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "prefix.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / "prefix.md").write_text(markdown(report))
     return 0
