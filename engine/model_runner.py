@@ -86,6 +86,8 @@ class StepPlan:
     reset_slots: list[int] = field(default_factory=list)  # slots that start a request: ring and compressors afresh
     restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, slot): a cached prefix's state, first
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (slot, snapshot): copied after the step
+    # (row, slot, snapshot): copied by each layer after that row, where a request's chunk is split at a boundary
+    snapshots_after: list[tuple[int, int, int]] = field(default_factory=list)
     released: list[tuple[int, int]] = field(default_factory=list)  # (slot, entries) of page-table rows to zero
     sample: str = "none"  # "none", "device" (greedy: the argmax stays on the device) or "host" (logits to rank 0)
     # Agreed over the ranks (_agree): the decode graph every rank replays, or the rows they pad to for the MoE.
@@ -95,7 +97,7 @@ class StepPlan:
 
     @property
     def decoding(self) -> bool:
-        return all(n == 1 for n in self.lens)
+        return all(n == 1 for n in self.lens) and not self.snapshots_after
 
 
 class _Planner:
@@ -144,8 +146,11 @@ class _Planner:
                 plan.table_at += range(state.slot * self.width + uploaded, state.slot * self.width + len(pages))
                 plan.table_pages += pages[uploaded:]
                 self.uploaded[state.slot] = len(pages)
-            plan.slots.append(state.slot)
-            plan.lens.append(n)
+            cuts = [start, *sorted(at for at, _ in item.splits), start + n]
+            for row, (_, snapshot) in enumerate(sorted(item.splits), start=len(plan.lens)):
+                plan.snapshots_after.append((row, state.slot, snapshot))
+            plan.slots += [state.slot] * (len(cuts) - 1)
+            plan.lens += [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
             plan.width = max(plan.width, len(pages))
             if item.completes_prompt:
                 plan.last_rows.append(len(plan.ids) - 1)
@@ -257,6 +262,7 @@ class ModelRunner:
         if not lens:  # an idle data-parallel rank: one row at position 0 of the padding slot touches no page
             ids, positions, slots, lens = [0], [0], [self.pad_slot], [1]
         copies = [[pair[i] for pair in pairs] for pairs in (plan.restores, plan.snapshots) for i in (0, 1)]
+        copies += [[after[i] for after in plan.snapshots_after] for i in (1, 2)]
         parts = [ids, positions, slots, plan.src, plan.dst, plan.table_at, plan.table_pages, plan.last_rows, *copies]
         data = self._to_device([v for part in parts for v in part]).split([len(part) for part in parts])
         input_ids, positions_d, slots_d, src_d, dst_d, table_at_d, table_pages_d, last_rows_d, *copies_d = data
@@ -267,6 +273,8 @@ class ModelRunner:
         if plan.src:
             input_ids.index_copy_(0, dst_d, self.tokens.index_select(0, src_d))
         batch = ForwardBatch(input_ids, positions_d, [SequenceState(slot) for slot in slots], lens)
+        for k, (row, _, _) in enumerate(plan.snapshots_after):
+            batch.snapshots_after[row] = (copies_d[4][k : k + 1], copies_d[5][k : k + 1])
         batch.set_tables(self.page_tables[:, : plan.width].index_select(0, slots_d), slots_d.int())
         batch.moe_rows = plan.moe_rows
         self.expert_counts.count(batch.decoding)

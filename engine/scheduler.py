@@ -18,17 +18,20 @@ is re-admitted (its prefill needs every token on the host).
 
 With prefix caching (engine/cache/block_manager.py) a request is admitted with the longest cached prefix of its
 tokens: it shares that prefix's pages, its slot gets the prefix's snapshot (`ScheduledWork.restore`), and it
-prefills only the rest. A prompt's prefill ends a chunk at the prompt's last page boundary and the slot is copied
-into a snapshot there (`ScheduledWork.snapshot`), registered as a cached prefix once the step is queued (a later step
-may restore it); a decode step that completes a page copies the slot into the request's one output snapshot,
-registered when the request leaves (finished, aborted or preempted), when its tokens are all on the host.
+prefills only the rest. A prompt's prefill takes a snapshot of the slot at the prompt's last page boundary (and at
+the common prefix of requests waiting for it), registered as a cached prefix once the step is queued (a later step
+may restore it): copied after the step when a chunk ends there (`ScheduledWork.snapshot`), else the chunk runs as
+consecutive rows of one batch, split there, and each layer copies the slot between them (`ScheduledWork.splits`) —
+one step still, so the tokens after the boundary do not cost another read of every weight; a decode step that
+completes a page copies the slot into the request's one output snapshot, registered when the request leaves
+(finished, aborted or preempted), when its tokens are all on the host.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.cache.block_manager import BlockManager, prefix_keys
 from engine.config import EngineConfig
@@ -42,6 +45,9 @@ class ScheduledWork:
     num_tokens: int
     restore: int | None = None  # the snapshot slot the request's slot starts from (a cached prefix's)
     snapshot: int | None = None  # the snapshot slot its slot is copied into after this step
+    # (position, snapshot slot): boundaries inside the chunk, where the chunk runs as consecutive rows of one batch
+    # and each layer copies the slot into the snapshot between them
+    splits: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
@@ -82,7 +88,7 @@ class Scheduler:
             decodes_behind = (
                 0 if seq.decoding else sum(s.decoding and not s.out_of_budget for s in self.running[i + 1 :])
             )
-            n = self._chunk(seq, budget - decodes_behind)
+            n = min(seq.num_pending, budget - decodes_behind)
             if n > 0:
                 if not self._hold_pages(seq, seq.num_computed + n):
                     break  # it was the youngest and went back to waiting; nobody runs behind it
@@ -119,7 +125,7 @@ class Scheduler:
                 seq.cached_tokens = seq.num_computed
                 self.blocks.queried_tokens += len(seq.prompt_ids)
                 self.blocks.hit_tokens += seq.num_computed
-            n = self._chunk(seq, budget)
+            n = min(seq.num_pending, budget)
             seq.page_table.grow(self.blocks, seq.num_computed + n)
             pending += seq.page_table.pages_needed(seq.num_tokens, page)
             work.append(self._work(seq, n, restore))
@@ -156,22 +162,13 @@ class Scheduler:
             shared = common * page
             if shared <= cached or other.num_computed >= shared:
                 continue
-            other.prompt_boundaries.add(shared)
-            item = scheduled.get(other.request_id)
-            if item is not None and other.num_computed + item.num_tokens > shared:
-                item.num_tokens = shared - other.num_computed
-                self._prompt_snapshot(item, shared)
-            elif item is not None and other.num_computed + item.num_tokens == shared and item.snapshot is None:
-                self._prompt_snapshot(item, shared)
+            if shared not in self._boundaries(other):
+                other.prompt_boundaries.add(shared)
+                item = scheduled.get(other.request_id)
+                if item is not None and other.num_computed + item.num_tokens >= shared:  # this step passes it
+                    self._prompt_snapshot(item, shared)
             return True
         return False
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """The tokens `seq` runs in this step, within `budget`: with prefix caching a prompt's prefill stops at each
-        of its snapshot boundaries first."""
-        n = min(seq.num_pending, budget)
-        ahead = [b for b in self._boundaries(seq) if b > seq.num_computed]
-        return min(n, min(ahead) - seq.num_computed) if ahead else n
 
     def _boundaries(self, seq: Sequence) -> set[int]:
         """Where its prompt's prefill takes snapshots: the prompt's last page boundary that leaves a token to
@@ -180,25 +177,30 @@ class Scheduler:
             return set()
         return seq.prompt_boundaries | {(len(seq.prompt_ids) - 1) // self.blocks.page_size * self.blocks.page_size}
 
-    def _prompt_snapshot(self, work: ScheduledWork, end: int) -> None:
-        """`work` ends at `end`, a snapshot boundary of its prompt: its slot is copied there, and registered once
-        the step is queued (a snapshot it was to take further on is taken there instead)."""
-        if work.snapshot is None:
-            work.snapshot = self.blocks.take_snapshot()
+    def _prompt_snapshot(self, work: ScheduledWork, at: int) -> None:
+        """`work` reaches `at`, a snapshot boundary of its prompt: its slot there is copied into a snapshot slot —
+        after the step when its chunk ends there, else between the rows its chunk runs as — registered once the step
+        is queued."""
+        snapshot = self.blocks.take_snapshot()
+        if snapshot is None:
+            return
+        if work.seq.num_computed + work.num_tokens == at:
+            work.snapshot = snapshot
         else:
-            self._to_register = [r for r in self._to_register if r[2] != work.snapshot]
-        if work.snapshot is not None:
-            self._to_register.append((work.seq.prompt_ids[:end], work.seq.page_table.pages, work.snapshot))
+            work.splits.append((at, snapshot))
+        self._to_register.append((work.seq.prompt_ids[:at], work.seq.page_table.pages, snapshot))
 
     def _work(self, seq: Sequence, n: int, restore: int | None = None) -> ScheduledWork:
-        """The step's work for `seq`, with the snapshot it takes when it completes a cacheable page boundary."""
+        """The step's work for `seq`, with the snapshots it takes at the cacheable page boundaries it reaches."""
         work = ScheduledWork(seq, n, restore)
-        end = seq.num_computed + n
-        if not self.blocks.caching or end % self.blocks.page_size or end == 0:
+        start, end = seq.num_computed, seq.num_computed + n
+        if not self.blocks.caching:
             return work
-        if end in self._boundaries(seq):
-            self._prompt_snapshot(work, end)
-        elif end >= len(seq.prompt_ids):  # the prompt's end, or a page of output: the request's one output snapshot
+        for at in sorted(b for b in self._boundaries(seq) if start < b <= end):
+            self._prompt_snapshot(work, at)
+        if end % self.blocks.page_size or end == 0 or end in self._boundaries(seq):
+            return work
+        if end >= len(seq.prompt_ids):  # the prompt's end, or a page of output: the request's one output snapshot
             if seq.output_snapshot is None:
                 seq.output_snapshot = self.blocks.take_snapshot()
             if seq.output_snapshot is not None:

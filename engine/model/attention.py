@@ -184,6 +184,8 @@ class Attention(nn.Module):
                 r = batch.rows(i)
                 chunk = {k: (a[r], b[r]) for k, (a, b) in proj.items()}
                 parts.append(self._prefill(q[r], kv[r], chunk, pos[r], seq, batch, i))
+                if i in batch.snapshots_after:  # the slot as it is at the boundary, before the next row moves on
+                    self.kv.copy_slots(*batch.snapshots_after[i])
             out = torch.cat(parts)
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)

@@ -40,6 +40,9 @@ class ForwardBatch:
     # Data-parallel ranks: the token rows every rank pads its batch to for the MoE's gathers, agreed for the step;
     # None when every rank runs a batch of this one's shape (boot's warm-up, the decode graphs' capture).
     moe_rows: int | None = field(init=False, default=None)
+    # Snapshots between two rows of one request's prompt (a cached prefix's boundary inside its chunk): after row i,
+    # each layer copies the request's slot (source) into a snapshot slot (destination), [1] int64 each.
+    snapshots_after: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(init=False, default_factory=dict)
     # Tensors a step derives once for all its layers (`per_step`): key -> (the layer that made it, value).
     _per_step: dict[Any, tuple[int, Any]] = field(init=False, default_factory=dict, repr=False)
 
@@ -51,9 +54,10 @@ class ForwardBatch:
             offset += n
 
     def set_tables(self, page_table: torch.Tensor, slots: torch.Tensor) -> None:
-        """Device-side tables for the layers; a batch of one token per request takes the kernels' decode path."""
+        """Device-side tables for the layers; a batch of one token per request takes the kernels' decode path (not
+        one whose rows split a request: its rows run in order)."""
         self.page_table, self.slots = page_table, slots
-        self.decoding = all(n == 1 for n in self.lens)
+        self.decoding = all(n == 1 for n in self.lens) and not self.snapshots_after
         if self.decoding:
             self.positions_i32 = self.positions.int()
 

@@ -155,3 +155,21 @@ def test_a_request_that_waits_behind_a_long_prefill_still_shares_its_prefix(tiny
         with_cache = cached_llm.generate(prompts, params)
     assert [o.cached_tokens for o in with_cache] == [0, 768]
     assert [computed[o.request_id] for o in with_cache] == [len(prompts[0]), len(prompts[1]) - 768]
+
+
+def test_a_boundary_inside_a_chunk_costs_no_extra_step(tiny_dir):
+    """A 700-token prompt in one 1024-token chunk: the snapshot at its last page boundary (512) is taken between the
+    two rows the chunk runs as, in the same step, so the cache adds no step; the next turn starts from it."""
+    prompt = _tokens(700, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    steps = {}
+    for prefix_cache in (True, False):
+        with _llm(tiny_dir, prefix_cache, max_num_batched_tokens=1024) as llm:
+            launch, launched = llm.engine.runner.launch, []
+            llm.engine.runner.launch = lambda work, previous: launched.append(work) or launch(work, previous)
+            first = llm.generate(prompt, params)[0]
+            steps[prefix_cache] = len(launched)
+            if prefix_cache:
+                assert [w.splits[0][0] for w in launched[0]] == [512] and launched[0][0].num_tokens == 700
+                assert llm.generate(prompt + first.token_ids, params)[0].cached_tokens == 512
+    assert steps[True] == steps[False]
