@@ -11,6 +11,7 @@ The MoE layers count the routed experts they read, per step kind (`ExpertCounts`
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -272,7 +273,9 @@ class ModelRunner:
             self.page_tables.view(-1).index_copy_(0, table_at_d, table_pages_d.int())
         if plan.src:
             input_ids.index_copy_(0, dst_d, self.tokens.index_select(0, src_d))
-        batch = ForwardBatch(input_ids, positions_d, [SequenceState(slot) for slot in slots], lens)
+        firsts = itertools.accumulate(lens[:-1], initial=0)  # each row's first position, on the host
+        states = [SequenceState(slot, positions[first]) for slot, first in zip(slots, firsts, strict=True)]
+        batch = ForwardBatch(input_ids, positions_d, states, lens)
         for k, (row, _, _) in enumerate(plan.snapshots_after):
             batch.snapshots_after[row] = (copies_d[4][k : k + 1], copies_d[5][k : k + 1])
         batch.set_tables(self.page_tables[:, : plan.width].index_select(0, slots_d), slots_d.int())

@@ -32,16 +32,18 @@ def pool_windows(
     kv: torch.Tensor,
     score: torch.Tensor,
     positions: torch.Tensor,
+    first: int,
     kv_state: torch.Tensor,
     score_state: torch.Tensor,
     ape: torch.Tensor,
     ratio: int,
 ) -> torch.Tensor:
-    """Feed one request's next tokens (kv, score [T, coff*dim] fp32 at consecutive `positions`); returns the pooled
-    rows [windows closed, dim] fp32 and leaves the state ready for the next token."""
+    """Feed one request's next tokens (kv, score [T, coff*dim] fp32 at consecutive `positions`, from `first`, given on
+    the host so that no step waits for the device); returns the pooled rows [windows closed, dim] fp32 and leaves the
+    state ready for the next token."""
     overlap = ratio == 4
     base = ratio if overlap else 0
-    done = int(positions[0]) % ratio  # tokens of the current window already in the state
+    done = first % ratio  # tokens of the current window already in the state
     kv = torch.cat([kv_state[base : base + done], kv])
     score = torch.cat([score_state[base : base + done], score + ape[positions % ratio]])
     n_win = kv.shape[0] // ratio
@@ -94,7 +96,7 @@ def compressor_decode_step_reference(
     physical slot page_table[b, r // rows_per_page] * rows_per_page + r % rows_per_page."""
     for b in range(kv.shape[0]):
         slot, pos = int(seq_slot[b]), int(positions[b])
-        pooled = pool_windows(kv[b : b + 1], score[b : b + 1], positions[b : b + 1], kv_state[slot],
+        pooled = pool_windows(kv[b : b + 1], score[b : b + 1], positions[b : b + 1], pos, kv_state[slot],
                               score_state[slot], ape, ratio)  # fmt: skip
         if len(pooled):
             row = (pos + 1) // ratio - 1

@@ -53,11 +53,12 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, self.width, dtype=torch.float32))
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
-    def compress(self, kv, score, positions: torch.Tensor, state, first_row: int, dtype: torch.dtype):
-        """Prefill path: one request's next tokens; the rows of the windows they close (dense, [n, dim])."""
-        pooled = pool_windows(kv, score, positions, state[0], state[1], self.ape, self.ratio)
-        return finish_rows(pooled, first_row, self.ratio, self.norm.weight, self.norm.eps, self.rotary.inv_freq,
-                           self.for_indexer, self.quant_sim, dtype)  # fmt: skip
+    def compress(self, kv, score, positions: torch.Tensor, first: int, state, dtype: torch.dtype):
+        """Prefill path: one request's next tokens, from position `first`; the rows of the windows they close (dense,
+        [n, dim])."""
+        pooled = pool_windows(kv, score, positions, first, state[0], state[1], self.ape, self.ratio)
+        return finish_rows(pooled, first // self.ratio, self.ratio, self.norm.weight, self.norm.eps,
+                           self.rotary.inv_freq, self.for_indexer, self.quant_sim, dtype)  # fmt: skip
 
     def decode_step(self, kv, score, batch: ForwardBatch, state, out) -> None:
         """Decode path: one token per request; closed windows' rows go straight into the paged cache."""
@@ -197,7 +198,7 @@ class Attention(nn.Module):
         only: its window rows, then its top-k compressed rows (c4) or the compressed rows it sees (c128), through the
         decode kernels on CUDA (`_prefill_kernels`), in torch elsewhere and for float64 (`_prefill_reference`).
         The request is row i of the batch (its slot, its row of the device-side page table)."""
-        cache, slot, p0 = self.kv, seq.slot, int(positions[0])
+        cache, slot, p0 = self.kv, seq.slot, seq.num_tokens  # the row's first position, known on the host
         window, dim = self.window, kv.shape[-1]
         # The window rows before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
         # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 of this span.
@@ -209,13 +210,13 @@ class Attention(nn.Module):
         comp_slots = index_slots = None
         if self.compressor is not None:
             n_old = p0 // self.ratio
-            new_rows = self.compressor.compress(*proj["comp"], positions, cache.comp_state_of(slot), n_old, kv.dtype)
+            new_rows = self.compressor.compress(*proj["comp"], positions, p0, cache.comp_state_of(slot), kv.dtype)
             n = n_old + len(new_rows)
             comp_slots = batch.row_slots(i, 0, n, cache.comp.rows_per_page)
             cache.comp.write(comp_slots[n_old:], new_rows)
             if self.indexer is not None:
-                new_keys = self.indexer.compressor.compress(*proj["index"], positions, cache.index_state_of(slot),
-                                                            n_old, kv.dtype)  # fmt: skip
+                new_keys = self.indexer.compressor.compress(*proj["index"], positions, p0, cache.index_state_of(slot),
+                                                            kv.dtype)  # fmt: skip
                 index_slots = batch.row_slots(i, 0, n, cache.index.rows_per_page)
                 cache.index.write(index_slots[n_old:], new_keys)
         if use_triton(q.device) and q.dtype != torch.float64:

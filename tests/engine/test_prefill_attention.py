@@ -97,6 +97,7 @@ def _run_chunks(ratio: int, cuts: list[int], check_dense: bool) -> list[torch.Te
             positions = torch.arange(a, b)
             chunk = {k: (x[a:b], y[a:b]) for k, (x, y) in proj.items()}
             window_before = cache.ring.read(torch.arange(max(0, a - window + 1), a) % window)
+            seq.num_tokens = a  # as a step's state has it: the row's first position
             outs.append(attn._prefill(q[a:b], kv[a:b], chunk, positions, seq, tables, 0))
             if not check_dense:
                 continue
@@ -171,6 +172,7 @@ def test_a_long_chunk_at_a_long_context_stays_within_the_budget(ratio, monkeypat
     q, kv, proj = _inputs(args, ratio, length)
     chunk_sized = q.numel()  # the output, as large as the queries; the largest tensor the chunk has anyway
     assert chunk_sized <= budget < length * args.index_n_heads * (p0 // 4)
+    seq.num_tokens = p0
     with torch.no_grad(), _LargestTensor() as mode:
         out = attn._prefill(q, kv, proj, torch.arange(p0, p0 + length), seq, tables, 0)
     assert out.isfinite().all()
@@ -203,6 +205,7 @@ def _prefill_chunks(ratio: int, kv_dtype: str, dtype: torch.dtype, monkeypatch=N
         with torch.no_grad(), contextlib.ExitStack() as stack:
             if monkeypatch is not None and i in KERNEL_CHUNKS:
                 _through_the_kernels(stack.enter_context(monkeypatch.context()))
+            seq.num_tokens = a
             outs.append(attn._prefill(q[a:b], kv[a:b], chunk, torch.arange(a, b), seq, tables, 0))
     return outs
 
