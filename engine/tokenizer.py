@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import threading
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -12,6 +16,8 @@ BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 
 _REPLACEMENT = "\ufffd"
+# Tokens of text pieces kept for the next request (8 bytes each): an agent re-sends its conversation every turn.
+SEGMENT_CACHE_TOKENS = 4_000_000
 
 
 def byte_level_chars() -> list[str]:
@@ -33,6 +39,7 @@ class Tokenizer:
             raise ValueError(f"{source}: the vocabulary has no {', '.join(missing)}")
         self._bos_id: int = ids[BOS_TOKEN]
         self._eos_id: int = ids[EOS_TOKEN]
+        self._segments = SegmentCache.for_tokenizer(tokenizer)
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:
@@ -71,9 +78,12 @@ class Tokenizer:
         return longest * (1 if self._tok.normalizer is None else 3)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        # The batch call releases the GIL while it works (a single encode holds it, stalling every other thread of
-        # the server for as long as a long prompt takes: seconds for megabytes).
-        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        if self._segments is not None:
+            ids = self._segments.encode(text)
+        else:
+            # The batch call releases the GIL while it works (a single encode holds it, stalling every other thread
+            # of the server for as long as a long prompt takes: seconds for megabytes).
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self._bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -139,3 +149,67 @@ class IncrementalDetokenizer:
         self._pending.clear()
         self._emitted = 0
         return delta
+
+
+class SegmentCache:
+    """Encodes text a piece at a time, the pieces between added tokens, and keeps the pieces' tokens (least recently
+    used out first): a conversation re-sent with a turn more costs the new turn's tokenization, not the whole's.
+    Exact: the library itself splits text at added tokens first and encodes each piece on its own, so the pieces'
+    tokens and the added tokens' ids, in order, are what one encode of the whole text gives. That holds for added
+    tokens matched verbatim (no lstrip, rstrip or single-word rule; unnormalised, or no normalizer): `for_tokenizer`
+    gives None for a tokenizer with others, which then encodes whole."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, added: dict[str, int], max_tokens: int):
+        self._tok, self._added, self._max_tokens = tokenizer, added, max_tokens
+        # Leftmost, then longest, as the library matches added tokens.
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+        self._pieces: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()  # requests are tokenized on several threads
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: tokenizers.Tokenizer) -> SegmentCache | None:
+        added = tokenizer.get_added_tokens_decoder()
+        verbatim = all(
+            not (t.lstrip or t.rstrip or t.single_word or (t.normalized and tokenizer.normalizer is not None))
+            for t in added.values()
+        )
+        if not added or not verbatim:
+            return None
+        return cls(tokenizer, {t.content: i for i, t in added.items()}, SEGMENT_CACHE_TOKENS)
+
+    def encode(self, text: str) -> list[int]:
+        parts = self._split.split(text)  # piece, added token, piece, ..., piece
+        pieces = parts[0::2]
+        with self._lock:
+            known = {piece: self._take(piece) for piece in pieces if piece}
+        missing = [piece for piece, ids in known.items() if ids is None]
+        if missing:  # one batch call: it releases the GIL and encodes the pieces in parallel
+            for piece, encoding in zip(missing, self._tok.encode_batch(missing, add_special_tokens=False),
+                                       strict=True):  # fmt: skip
+                known[piece] = array("q", encoding.ids)
+            with self._lock:
+                for piece in missing:
+                    self._keep(piece, known[piece])
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self._added[part])
+            elif part:
+                ids.extend(known[part])
+        return ids
+
+    def _take(self, piece: str) -> array | None:
+        ids = self._pieces.get(piece)
+        if ids is not None:
+            self._pieces.move_to_end(piece)
+        return ids
+
+    def _keep(self, piece: str, ids: array) -> None:
+        if piece in self._pieces or len(ids) > self._max_tokens:
+            return
+        self._pieces[piece] = ids
+        self._tokens += len(ids)
+        while self._tokens > self._max_tokens:
+            _, dropped = self._pieces.popitem(last=False)
+            self._tokens -= len(dropped)

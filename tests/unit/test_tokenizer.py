@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from engine.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from engine.tokenizer import BOS_TOKEN, EOS_TOKEN, SEGMENT_CACHE_TOKENS, SegmentCache, Tokenizer
 from engine.tools.tiny_tokenizer import DSV4_TOKENS, build_tiny_tokenizer, save_tiny_tokenizer
 
 FIRST_BYTE_ID = len(DSV4_TOKENS)  # the 256 byte tokens follow the DeepSeek-V4 tokens, in byte order
@@ -219,3 +219,29 @@ def test_a_long_prompt_tokenizes_without_holding_the_other_threads(tok: Tokenize
         ticker.join()
     # Generous for a loaded 2-core machine: the stall it replaced lasted the whole encode.
     assert max(gaps) < max(0.5, took / 3), (max(gaps), took)
+
+
+def test_text_encoded_a_piece_at_a_time_is_what_one_encode_of_it_gives(model_dir: Path):
+    """The pieces between added tokens are encoded alone and kept (engine/tokenizer.py's SegmentCache): random texts
+    of added tokens, their look-alikes and any code points encode as the library's one call does, the first time, a
+    second time from the kept pieces, and with a cache so small that it keeps dropping pieces."""
+    whole = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    rng = random.Random(7)
+    texts = [_random_text(rng) + rng.choice(PIECES) + _random_text(rng) for _ in range(300)]
+    texts += [text + " and the next turn" + SPECIAL[2] + "more" for text in texts[:50]]  # a conversation grows
+    for max_tokens in (SEGMENT_CACHE_TOKENS, 8):
+        tok = Tokenizer.from_model_dir(model_dir)
+        tok._segments._max_tokens = max_tokens
+        for _ in range(2):
+            for text in texts:
+                assert tok.encode(text) == whole.encode(text, add_special_tokens=False).ids, repr(text)
+        assert tok._segments._tokens <= max_tokens
+
+
+def test_added_tokens_that_strip_whitespace_leave_the_text_encoded_whole(model_dir: Path):
+    """An added token with an lstrip, rstrip or single-word rule eats or needs text around it: no piece-wise encode."""
+    stripping = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    stripping.add_tokens([tokenizers.AddedToken("<｜pad｜>", lstrip=True)])
+    assert SegmentCache.for_tokenizer(stripping) is None
+    text = "a  <｜pad｜> b" + SPECIAL[2]
+    assert Tokenizer(stripping).encode(text) == stripping.encode(text, add_special_tokens=False).ids
