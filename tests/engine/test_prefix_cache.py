@@ -165,8 +165,13 @@ def test_a_boundary_inside_a_chunk_costs_no_extra_step(tiny_dir):
     steps = {}
     for prefix_cache in (True, False):
         with _llm(tiny_dir, prefix_cache, max_num_batched_tokens=1024) as llm:
-            launch, launched = llm.engine.runner.launch, []
-            llm.engine.runner.launch = lambda work, previous: launched.append(work) or launch(work, previous)
+            launched = []
+
+            def counted(work, previous, launch=llm.engine.runner.launch, launched=launched):
+                launched.append(work)
+                return launch(work, previous)
+
+            llm.engine.runner.launch = counted
             first = llm.generate(prompt, params)[0]
             steps[prefix_cache] = len(launched)
             if prefix_cache:
