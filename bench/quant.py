@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import copy_bandwidth, median_us  # noqa: E402
 from bench.plots import bar_chart  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
+from engine.kernels.fp4_moe import PackedFp4, moe_expert_pairs_fp4_triton  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_block_grouped_linear_triton, fp8_block_linear_triton  # noqa: E402
-from engine.kernels.mxfp4_moe import moe_expert_pairs_mxfp4_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 # name: (N, K, groups) of the weight as stored
@@ -125,9 +125,9 @@ def make_experts(gen: torch.Generator):
     def packed(rows, cols):
         codes = torch.randint(0, 256, (E, rows, cols // 2), device=DEV, generator=gen, dtype=torch.uint8)
         scale = torch.randint(117, 121, (E, rows, cols // 32), device=DEV, generator=gen, dtype=torch.uint8)
-        return codes, scale.view(torch.float8_e8m0fnu)
+        return PackedFp4(codes, scale.view(torch.float8_e8m0fnu))
 
-    return (*packed(INTER, D), *packed(INTER, D), *packed(D, INTER))
+    return packed(INTER, D), packed(INTER, D), packed(D, INTER)
 
 
 def make_routings(batch: int, gen: torch.Generator):
@@ -152,11 +152,11 @@ def fp4_bytes(routings) -> tuple[float, float]:
 def fp4_graphs(experts, routings, **launch):
     graphs = []
     for x, weights, ids in routings:
-        moe_expert_pairs_mxfp4_triton(x, weights, ids, *experts, LIMIT, **launch)
+        moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT, **launch)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            moe_expert_pairs_mxfp4_triton(x, weights, ids, *experts, LIMIT, **launch)
+            moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT, **launch)
         graphs.append(graph.replay)
     return graphs
 

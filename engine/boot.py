@@ -29,7 +29,6 @@ variant. A kernel variant made after boot anyway (compiled, or loaded from Trito
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -131,8 +130,7 @@ def check_split(config: EngineConfig) -> None:
     output groups, experts evenly), or a ValueError names what does not split. Rank 0's layers are built on the
     meta device, which allocates nothing."""
     args = ModelArgs.from_model_dir(config.model)
-    formats = Formats.for_checkpoint(json.loads((Path(config.model) / "config.json").read_text()),
-                                     config.weight_formats)  # fmt: skip
+    formats = Formats.for_model_dir(config.model, config.weight_formats)
     with torch.device("meta"):
         DeepseekV4(args, formats=formats, layout=Layout.for_rank(config.attention, 0, config.tensor_parallel_size))
 
@@ -197,8 +195,7 @@ def boot(config: EngineConfig, context_length: int, ranks: RankGroup | None = No
     dtype = resolve_dtype(config, device)
     cuda = device.type == "cuda"
     if cuda:
-        formats = Formats.for_checkpoint(json.loads((Path(config.model) / "config.json").read_text()),
-                                         config.weight_formats)  # fmt: skip
+        formats = Formats.for_model_dir(config.model, config.weight_formats)
         check_fp8_support(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
                           layout_kv_dtype(config, device), config.quant_sim, formats != Formats())  # fmt: skip
     torch.manual_seed(config.seed)

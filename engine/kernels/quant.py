@@ -3,6 +3,8 @@
 - FP8 e4m3 with power-of-two (ue8m0) block scales: weights in 128x128 blocks, activations / KV rows per 64 or 128
   along the last dimension.
 - FP4 e2m1 (MXFP4) with ue8m0 scales per 32 along the last dimension; two codes per byte, low nibble = even element.
+- NVFP4 (NVIDIA ModelOpt's checkpoints): the same packed e2m1 codes with an e4m3 scale per 16 and one fp32 scale per
+  tensor (`weight_scale_2` = amax / (6 * 448)); a value is code x scale x global scale.
 
 `*_simulate` functions round-trip a tensor through the format in place of the real low-precision storage, as the
 official inference code does for its quantisation-aware-trained activations (`EngineConfig.quant_sim`).
@@ -28,6 +30,7 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 KV_FP8_BLOCK = 64  # the nope channels of a KV row carry one ue8m0 scale per 64 (the 584-byte row)
 INDEX_FP4_BLOCK = 32
+NVFP4_BLOCK = 16  # values per e4m3 scale in NVIDIA's NVFP4
 # The eight magnitudes of e2m1; bit 3 of a code is the sign.
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -125,28 +128,62 @@ def dequantize_fp8_weight(
     return (w.float() * s).to(dtype)
 
 
+def _pack_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """e2m1 values [.., n] -> int8 [.., n/2]: sign in bit 3 of each code, low nibble = even element."""
+    codes = torch.bucketize(q.abs(), E2M1_VALUES.to(q.device)).to(torch.uint8) | ((q < 0).to(torch.uint8) << 3)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(torch.int8)
+
+
+def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [.., n/2] packed codes -> their e2m1 values [.., n] in fp32."""
+    raw = packed.view(torch.uint8)
+    codes = torch.stack([raw & 0x0F, raw >> 4], dim=-1).flatten(-2).long()
+    values = E2M1_VALUES.to(packed.device)[codes & 7]
+    return torch.where(codes >= 8, -values, values)
+
+
+def _per_block(values: torch.Tensor, scale: torch.Tensor, what: str) -> torch.Tensor:
+    """A per-block scale [.., n / block] widened to the values [.., n] it scales."""
+    block = values.shape[-1] // scale.shape[-1]
+    if scale.shape[-1] * block != values.shape[-1]:
+        raise ValueError(f"{what} scale shape {tuple(scale.shape)} does not fit {values.shape[-1]} values")
+    return scale.repeat_interleave(block, -1)
+
+
 def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] -> (int8 [out, in/2] packed e2m1 codes, low nibble = even element; ue8m0 scale [out, in/block])."""
     blocks = w.float().unflatten(-1, (-1, block))
     scale = block_scales(blocks, FP4_MAX)
     q = _round_e2m1((blocks / scale).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
-    codes = torch.bucketize(q.abs(), E2M1_VALUES.to(w.device)).to(torch.uint8) | ((q < 0).to(torch.uint8) << 3)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.view(torch.int8), _e8m0(scale.squeeze(-1))
+    return _pack_e2m1(q), _e8m0(scale.squeeze(-1))
 
 
 def dequantize_fp4_weight(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """int8 [out, in/2] packed e2m1 + ue8m0 scale [out, in/32] -> `dtype` [out, in]."""
-    raw = packed.view(torch.uint8)
-    codes = torch.stack([raw & 0x0F, raw >> 4], dim=-1).flatten(-2).long()
-    values = E2M1_VALUES.to(packed.device)[codes & 7]
-    values = torch.where(codes >= 8, -values, values)
-    block = values.shape[-1] // scale.shape[-1]
-    if scale.shape[-1] * block != values.shape[-1]:
-        raise ValueError(f"FP4 scale shape {tuple(scale.shape)} does not fit packed weight {tuple(packed.shape)}")
-    return (values * e8m0_to_float(scale).repeat_interleave(block, -1)).to(dtype)
+    values = _unpack_e2m1(packed)
+    return (values * _per_block(values, e8m0_to_float(scale), "FP4")).to(dtype)
+
+
+def quantize_nvfp4_weight(w: torch.Tensor, block: int = NVFP4_BLOCK) -> tuple[torch.Tensor, ...]:
+    """[out, in] -> (int8 [out, in/2] packed e2m1 codes, e4m3 scale [out, in/block], fp32 global scale []), as
+    ModelOpt's NVFP4 export makes them: the global scale maps the tensor's amax to 6 x 448, each block scale (e4m3,
+    rounded to nearest) maps its block's amax to 6, and the codes round to nearest (ties to even)."""
+    blocks = w.float().unflatten(-1, (-1, block))
+    global_scale = (blocks.abs().amax() / (FP4_MAX * FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = (blocks.abs().amax(-1, keepdim=True) / FP4_MAX / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    step = scale.float() * global_scale
+    q = _round_e2m1(torch.where(step > 0, blocks / step, 0.0).clamp(-FP4_MAX, FP4_MAX)).flatten(-2)
+    return _pack_e2m1(q), scale.squeeze(-1), global_scale
+
+
+def dequantize_nvfp4_weight(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                            dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """int8 [.., out, in/2] packed e2m1 + e4m3 scale [.., out, in/16] + fp32 global scale (broadcast against the
+    scale: [] or [.., 1, 1]) -> `dtype` [.., out, in]: code x fl32(scale x global scale), as the kernel forms it."""
+    values = _unpack_e2m1(packed)
+    return (values * _per_block(values, scale.float() * global_scale, "NVFP4")).to(dtype)
 
 
 def simulate_kv_row_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:

@@ -5,7 +5,6 @@ formats take the tensors as stored. Errors name the tensor; progress is reported
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ Progress = Callable[[int, int], None]
 # Hugging Face stacks the routed experts of a layer ([E, 2I, D] gate and up, [E, D, I] down); the reader presents
 # them per expert under the official names.
 STACKED_EXPERTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+QUANT_SIDECARS = ("scale", "weight_scale", "weight_scale_2", "input_scale")
 
 
 class CheckpointError(ValueError):
@@ -82,10 +82,12 @@ class _Shards:
         return self.handles[i].get_tensor(key)
 
     def member(self, prefix: str) -> dict[str, torch.Tensor]:
-        """A layer member's stored tensors by suffix: `weight` and, when quantized, its `scale`."""
+        """A layer member's stored tensors by suffix: `weight` and, when quantized, its sidecars (the official
+        `scale`; ModelOpt NVFP4's `weight_scale`, `weight_scale_2` and `input_scale`)."""
         stored = {"weight": self.read(f"{prefix}.weight")}
-        if f"{prefix}.scale" in self:
-            stored["scale"] = self.read(f"{prefix}.scale")
+        for sidecar in QUANT_SIDECARS:
+            if f"{prefix}.{sidecar}" in self:
+                stored[sidecar] = self.read(f"{prefix}.{sidecar}")
         return stored
 
 
@@ -101,12 +103,12 @@ def load_model(
 ) -> DeepseekV4:
     """`load_format` "dummy": the directory's config.json with seeded random weights made on `device`. Otherwise
     each layer's members are handed to the layer's weight format as stored, and every other tensor is copied into
-    its parameter (cast to the parameter's dtype). `weight_formats`: keep the formats config.json declares (FP8
-    dense linears, MXFP4 experts) or hold every weight dequantized in `dtype` (Formats.for_checkpoint). `layout`:
-    the rank's part of the model, of which only its share of each tensor is kept."""
+    its parameter (cast to the parameter's dtype). `weight_formats`: keep the formats the checkpoint declares (FP8
+    dense linears, MXFP4 or NVFP4 experts) or hold every weight dequantized in `dtype` (Formats.for_checkpoint).
+    `layout`: the rank's part of the model, of which only its share of each tensor is kept."""
     model_dir = Path(model_dir)
     args = ModelArgs.from_model_dir(model_dir)
-    formats = Formats.for_checkpoint(json.loads((model_dir / "config.json").read_text()), weight_formats)
+    formats = Formats.for_model_dir(model_dir, weight_formats)
     if load_format == "dummy":
         # Made in `dtype` from the start (those kept in fp32 say so themselves): at V4-Flash widths an fp32 model
         # would not fit beside the bf16 one.

@@ -132,7 +132,7 @@ class MoE(nn.Module):
             hashed=layer_id < args.num_hash_layers,
         )
         self.experts = Experts(args.n_routed_experts, dim, inter, args.swiglu_limit, f"{prefix}.experts",
-                               formats.experts, layout.experts)  # fmt: skip
+                               formats.routed(f"{prefix}.experts"), layout.experts)  # fmt: skip
         self.data_parallel = layout.data_parallel
         self.shared_experts = SharedExpert(dim, inter, args.swiglu_limit, f"{prefix}.shared_experts", formats,
                                            layout.attention)  # fmt: skip

@@ -18,6 +18,8 @@ from engine.model.weights import checkpoint_tensors
 
 FP8_CODE_STD = 16.0  # random e4m3 codes' spread (their scale makes the weight's std)
 FP4_CODE_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of e2m1 codes drawn uniformly
+NVFP4_SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
+NVFP4_GLOBAL = 2.0**-8
 
 
 @torch.no_grad()
@@ -38,6 +40,11 @@ def randomize(model: DeepseekV4, seed: int) -> DeepseekV4:
             cols = weight.shape[-1] * (2 if weight.dtype == torch.int8 else 1)
             rms = FP4_CODE_RMS if weight.dtype == torch.int8 else FP8_CODE_STD
             tensor.copy_(torch.full(tensor.shape, 2.0 ** round(math.log2(cols**-0.5 / rms)), device=device))
+        elif name.endswith(NVFP4_SCALES):  # NVFP4: a global 2**-8, its e4m3 block scales make std / the codes' RMS
+            cols = 2 * tensors[name.rsplit(".", 1)[0] + ".weight"].shape[-1]
+            value = {"weight_scale": cols**-0.5 / FP4_CODE_RMS / NVFP4_GLOBAL, "weight_scale_2": NVFP4_GLOBAL,
+                     "input_scale": 1.0}[name.rsplit(".", 1)[1]]  # fmt: skip
+            tensor.copy_(torch.full(tensor.shape, value, device=device))
         elif tensor.dtype == torch.float8_e4m3fn:  # e4m3 codes, std FP8_CODE_STD (made here, never as bf16 first)
             tensor.copy_(torch.randn(tensor.shape, generator=gen, device=device).mul_(FP8_CODE_STD).clamp_(-448, 448))
         elif tensor.dtype == torch.int8:  # packed e2m1 pairs: every code equally likely

@@ -1,7 +1,8 @@
 """Weight formats: how a linear or expert layer stores its weight, loads it from a checkpoint and multiplies by it.
 This is the one file where a new format plugs in: `Unquantized` (plain floats), `Fp8BlockScaled` (the official
-checkpoint's dense linears, kept e4m3 with their 128x128 scales) and `Mxfp4Experts` (its routed experts, kept as packed
-e2m1 with a ue8m0 scale per 32 values). `Formats.for_checkpoint` picks them from a checkpoint's config.
+checkpoint's dense linears, kept e4m3 with their 128x128 scales), `Mxfp4Experts` (its routed experts, kept as packed
+e2m1 with a ue8m0 scale per 32 values) and `Nvfp4Experts` (NVIDIA ModelOpt's routed experts: packed e2m1 with an e4m3
+scale per 16 values and a global fp32 scale). `Formats.for_checkpoint` picks them from a checkpoint's config.
 
 A layer asks its format for its parameters (`create`, named as the checkpoint names a member's tensors: `weight`,
 `scale`, ...), hands it each member's stored tensors (`load`), and calls it to compute x·Wᵀ (`linear`,
@@ -13,19 +14,28 @@ packed FP4 byte two columns). The loader never converts a tensor itself.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.fp4_moe import MX_BLOCK, PackedFp4, moe_expert_pairs_fp4
 from engine.kernels.fp8_gemm import BLOCK as FP8_BLOCK
 from engine.kernels.fp8_gemm import fp8_block_grouped_linear, fp8_block_linear
 from engine.kernels.moe import moe_expert_pairs
-from engine.kernels.mxfp4_moe import MX_BLOCK, moe_expert_pairs_mxfp4
-from engine.kernels.quant import dequantize_fp4_weight, dequantize_fp8_weight, e8m0_to_float
+from engine.kernels.quant import (
+    NVFP4_BLOCK,
+    dequantize_fp4_weight,
+    dequantize_fp8_weight,
+    dequantize_nvfp4_weight,
+    e8m0_to_float,
+)
+from engine.model.checkpoint_names import canonical_name
 
 PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -200,7 +210,7 @@ def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Mxfp4Experts(WeightFormat):
     """The official checkpoint's routed experts, kept as stored: `weight` packed e2m1 pairs [experts, rows, cols / 2]
     (int8, the low nibble the even element) and `scale` ue8m0 [experts, rows, cols / 32]. The grouped GEMM upcasts
-    the codes to the activations' dtype in registers (W4A16, engine/kernels/mxfp4_moe.py says why)."""
+    the codes to the activations' dtype in registers (W4A16, engine/kernels/fp4_moe.py says why)."""
 
     follows_model_dtype = False
 
@@ -233,17 +243,76 @@ class Mxfp4Experts(WeightFormat):
         return {"weight": params["weight"][row : row + rows], "scale": params["scale"][row : row + rows]}
 
     def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched, remote=False):
-        return moe_expert_pairs_mxfp4(x, weights, ids, w1["weight"], w1["scale"], w3["weight"], w3["scale"],
-                                      w2["weight"], w2["scale"], limit, touched, remote)  # fmt: skip
+        w1, w3, w2 = (PackedFp4(w["weight"], w["scale"]) for w in (w1, w3, w2))
+        return moe_expert_pairs_fp4(x, weights, ids, w1, w3, w2, limit, touched, remote)
+
+
+@dataclass(frozen=True)
+class Nvfp4Experts(WeightFormat):
+    """Routed experts as NVIDIA's ModelOpt checkpoints store them (docs/quantized-weights.md cites the names): per
+    expert and projection `weight` packed e2m1 pairs [rows, cols / 2] (uint8, low nibble the even element),
+    `weight_scale` e4m3 [rows, cols / 16], `weight_scale_2` the fp32 global scale and `input_scale` the activations'
+    calibrated fp32 scale, kept as stored (a W4A4 kernel's; the W4A16 grouped GEMM, engine/kernels/fp4_moe.py, keeps
+    the activations in bf16 and does not read it)."""
+
+    follows_model_dtype = False
+
+    def create(self, rows, cols, experts=None):
+        if experts is None:
+            raise ValueError("NVFP4 is a format of the routed experts only")
+        if cols % MX_BLOCK:  # the grouped GEMM's K tiles are whole 32-value blocks
+            raise ValueError(f"NVFP4 experts need input features a multiple of {MX_BLOCK}, not {cols}")
+
+        def param(*shape, dtype):
+            return nn.Parameter(torch.zeros(experts, *shape, dtype=dtype), requires_grad=False)
+
+        return {
+            "weight": param(rows, cols // 2, dtype=torch.int8),
+            "weight_scale": param(rows, cols // NVFP4_BLOCK, dtype=torch.float8_e4m3fn),
+            "weight_scale_2": param(dtype=torch.float32),
+            "input_scale": param(dtype=torch.float32),
+        }
+
+    def load(self, params, stored, full, src, dst_row):
+        names = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+        missing = [name for name in names if name not in stored]
+        if missing or stored["weight"].dtype not in (torch.int8, torch.uint8):
+            lacking = f" without {', '.join(missing)}" if missing else ""
+            raise ValueError("expected NVFP4 tensors (uint8 codes, weight_scale, weight_scale_2, input_scale), found "
+                             f"{stored['weight'].dtype} codes{lacking}")  # fmt: skip
+        weight, scale = stored["weight"], stored["weight_scale"]
+        packed, blocks = (full[0], full[1] // 2), (full[0], full[1] // NVFP4_BLOCK)
+        if tuple(weight.shape) != packed or tuple(scale.shape) != blocks:
+            raise ValueError(f"expected shape {packed} with weight_scale {blocks}, found {tuple(weight.shape)} with "
+                             f"weight_scale {tuple(scale.shape)}")  # fmt: skip
+        if scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise ValueError(f"unsupported weight_scale dtype {scale.dtype} (e4m3 expected)")
+        for name in ("weight_scale_2", "input_scale"):
+            if stored[name].numel() != 1:
+                raise ValueError(f"{name} must be one fp32 value, found shape {tuple(stored[name].shape)}")
+            params[name].copy_(stored[name].reshape(()).float())
+        params["weight"].copy_(weight.view(torch.int8))
+        params["weight_scale"].copy_(scale.view(torch.float8_e4m3fn))
+
+    def stored(self, params, row, rows):
+        return {"weight": params["weight"][row : row + rows], "weight_scale": params["weight_scale"][row : row + rows],
+                "weight_scale_2": params["weight_scale_2"], "input_scale": params["input_scale"]}  # fmt: skip
+
+    def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched, remote=False):
+        w1, w3, w2 = (PackedFp4(w["weight"], w["weight_scale"], w["weight_scale_2"]) for w in (w1, w3, w2))
+        return moe_expert_pairs_fp4(x, weights, ids, w1, w3, w2, limit, touched, remote)
 
 
 def _plain_weight(stored: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The member's weight as floats: as stored, or dequantized from FP8 e4m3 / packed e2m1 with its `scale`."""
+    """The member's weight as floats: as stored, or dequantized from FP8 e4m3 / packed e2m1 with its scales."""
     weight = stored["weight"]
     if weight.dtype in PLAIN_DTYPES:
         return weight
     if weight.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
         raise ValueError(f"unsupported dtype {weight.dtype}")
+    if "weight_scale_2" in stored:
+        return dequantize_nvfp4_weight(weight, stored["weight_scale"].view(torch.float8_e4m3fn),
+                                       stored["weight_scale_2"].float().reshape(()))  # fmt: skip
     if "scale" not in stored:
         raise ValueError(f"a {weight.dtype} weight needs its scale tensor")
     if weight.dtype == torch.float8_e4m3fn:
@@ -257,35 +326,87 @@ OFFICIAL_FP8_MEMBERS = r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|sh
 WEIGHT_FORMATS = ("as_stored", "dequantized")
 
 
+#: ModelOpt's per-layer algorithms (quantized_layers) that are NVFP4 weights; W4A16_NVFP4 stores the same tensors
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+_EXPERT_MEMBER = re.compile(r"^(.+\.ffn\.experts)(\.\d+\.w[123])?$")
+
+
 @dataclass(frozen=True)
 class Formats:
     """Which format the model's weight-owning layers keep: `dense` for the dense linears whose checkpoint name
-    matches `dense_members` (all of them when None; the others stay plain), `experts` for the routed experts."""
+    matches `dense_members` (all of them when None; the others stay plain), `experts` for the routed experts, except
+    the layers' experts named in `nvfp4_experts` (their prefix, `layers.3.ffn.experts`), which are NVFP4."""
 
     dense: WeightFormat = Unquantized()
     experts: WeightFormat = Unquantized()
     dense_members: str | None = None
+    nvfp4_experts: frozenset[str] = frozenset()
 
     def linear(self, name: str) -> WeightFormat:
         if self.dense_members is None or re.search(self.dense_members, name):
             return self.dense
         return Unquantized()
 
+    def routed(self, prefix: str) -> WeightFormat:
+        """The format of the routed experts `{prefix}.{e}.w1` ..."""
+        return Nvfp4Experts() if prefix in self.nvfp4_experts else self.experts
+
     def describe(self) -> dict[str, str]:
         """The formats in words, for the boot log."""
-        return {"dense_linears": type(self.dense).__name__, "routed_experts": type(self.experts).__name__}
+        described = {"dense_linears": type(self.dense).__name__, "routed_experts": type(self.experts).__name__}
+        if self.nvfp4_experts:
+            described["nvfp4_expert_layers"] = str(len(self.nvfp4_experts))
+        return described
 
     @staticmethod
-    def for_checkpoint(config: dict, weight_formats: str = "as_stored") -> Formats:
-        """The formats a checkpoint's config.json declares (the official layout: `quantization_config` FP8 with
-        128x128 blocks, `expert_dtype` fp4), or plain weights when `weight_formats` is "dequantized"."""
+    def for_model_dir(model_dir: str | Path, weight_formats: str = "as_stored") -> Formats:
+        """`for_checkpoint` on a checkpoint directory's config.json and, when there is one, ModelOpt's
+        hf_quant_config.json."""
+        model_dir = Path(model_dir)
+        legacy = model_dir / "hf_quant_config.json"
+        return Formats.for_checkpoint(json.loads((model_dir / "config.json").read_text()), weight_formats,
+                                      json.loads(legacy.read_text()) if legacy.exists() else None)  # fmt: skip
+
+    @staticmethod
+    def for_checkpoint(config: dict, weight_formats: str = "as_stored", hf_quant_config: dict | None = None) -> Formats:
+        """The formats a checkpoint declares: the official layout's config.json (`quantization_config` FP8 with
+        128x128 blocks, `expert_dtype` fp4), or a ModelOpt MIXED_PRECISION table (config.json's
+        `quantization_config` with quant_method modelopt, else hf_quant_config.json's `quantization`) whose NVFP4
+        routed experts are `Nvfp4Experts` and whose other modules keep the official formats; plain weights when
+        `weight_formats` is "dequantized"."""
         if weight_formats not in WEIGHT_FORMATS:
             raise ValueError(f"weight_formats must be one of {WEIGHT_FORMATS}, not {weight_formats!r}")
         quant = config.get("quantization_config") or {}
-        if weight_formats == "dequantized" or quant.get("quant_method") != "fp8":
+        modelopt = quant if quant.get("quant_method") == "modelopt" else (hf_quant_config or {}).get("quantization")
+        if weight_formats == "dequantized" or (quant.get("quant_method") != "fp8" and not modelopt):
             return Formats()
+        if modelopt:
+            return Formats(Fp8BlockScaled(), Mxfp4Experts(), OFFICIAL_FP8_MEMBERS, _nvfp4_experts(modelopt))
         if list(quant.get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])) != [FP8_BLOCK, FP8_BLOCK]:
             raise ValueError(f"FP8 weight_block_size {quant['weight_block_size']} is not supported (128x128 only)")
         scale_dtype = torch.float8_e8m0fnu if quant.get("scale_fmt") == "ue8m0" else torch.float32
         experts = Mxfp4Experts() if config.get("expert_dtype") == "fp4" else Unquantized()
         return Formats(Fp8BlockScaled(scale_dtype), experts, OFFICIAL_FP8_MEMBERS)
+
+
+def _nvfp4_experts(modelopt: dict) -> frozenset[str]:
+    """The routed-expert prefixes a ModelOpt quantization table gives NVFP4 (its keys name a layer's experts or
+    each expert's projection, by official name). The quantized_layers table of vLLM's
+    ModelOptMixedPrecisionConfig; a bare NVFP4 quant_algo makes no table and is refused."""
+    if modelopt.get("quant_algo") != "MIXED_PRECISION" or not modelopt.get("quantized_layers"):
+        raise ValueError(
+            f"ModelOpt quant_algo {modelopt.get('quant_algo')!r} is not supported: MIXED_PRECISION "
+            "with a quantized_layers table (NVFP4 routed experts, the rest in the official formats) is"
+        )
+    prefixes = set()
+    for key, layer in modelopt["quantized_layers"].items():
+        match = _EXPERT_MEMBER.match(canonical_name(f"{key}.weight").removesuffix(".weight"))
+        algo = str(layer.get("quant_algo", "")).upper()
+        if match is None:
+            continue  # a dense module: the official FP8 block format, checked tensor by tensor on load
+        if algo not in NVFP4_ALGOS:
+            raise ValueError(f"routed experts {key} in {algo}: only NVFP4 experts are supported")
+        if layer.get("group_size", NVFP4_BLOCK) != NVFP4_BLOCK:
+            raise ValueError(f"routed experts {key}: NVFP4 group_size {layer['group_size']}, not {NVFP4_BLOCK}")
+        prefixes.add(match.group(1))
+    return frozenset(prefixes)

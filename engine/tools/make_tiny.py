@@ -1,5 +1,7 @@
-"""`python -m engine.tools.make_tiny --out DIR`: a deterministic tiny DeepSeek-V4 checkpoint in the Hugging Face
-layout, made by the engine's own model code, with a tokenizer carrying DeepSeek-V4's special tokens.
+"""`python -m engine.tools.make_tiny --out DIR [--layout official|nvfp4]`: a deterministic tiny DeepSeek-V4
+checkpoint in the Hugging Face layout (bf16), made by the engine's own model code, with a tokenizer carrying
+DeepSeek-V4's special tokens; or the same weights in the official layout's formats (FP8 linears, MXFP4 experts) or
+in ModelOpt's (NVFP4 experts), written by engine/tools/convert_official.py.
 
 The config keeps every layer kind of V4-Flash (reference §15): window-only, c4 with the indexer (also hash-routed),
 c128, and one MTP layer. Initial values avoid the parity traps of §15b.4: 16 index heads, hash rows of distinct
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from engine.model.checkpoint_names import official_to_hf, routed_expert_part
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.random_init import randomize
 from engine.model.weights import checkpoint_tensors
+from engine.tools.convert_official import convert
 from engine.tools.tiny_tokenizer import save_tiny_tokenizer
 
 SEED = 20260430
@@ -101,7 +105,16 @@ def save_hf_checkpoint(model: DeepseekV4, out: Path, config: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def make_tiny(out: Path, seed: int = SEED) -> Path:
+LAYOUTS = ("hf", "official", "nvfp4")
+
+
+def make_tiny(out: Path, seed: int = SEED, layout: str = "hf") -> Path:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if layout != "hf":
+        with tempfile.TemporaryDirectory() as tmp:
+            experts = "nvfp4" if layout == "nvfp4" else "mxfp4"
+            return convert(make_tiny(Path(tmp) / "tiny", seed), out, experts)
     model = random_tiny_model(seed).cast(torch.bfloat16)
     save_hf_checkpoint(model, out, TINY_CONFIG)
     save_tiny_tokenizer(out, TINY_CONFIG["vocab_size"])
@@ -112,9 +125,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory to write the checkpoint into")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--layout", choices=LAYOUTS, default="hf",
+                        help="hf: bf16; official: FP8 + MXFP4; nvfp4: FP8 + ModelOpt's NVFP4 experts")  # fmt: skip
     args = parser.parse_args()
     configure_logging()
-    make_tiny(args.out, args.seed)
+    make_tiny(args.out, args.seed, args.layout)
     print(f"tiny checkpoint written to {args.out}")
 
 

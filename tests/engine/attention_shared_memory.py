@@ -7,6 +7,7 @@ the pick, as JSON."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import types
 
@@ -57,7 +58,7 @@ def picks() -> dict:
 # wrappers make them on each target (the prefill GEMM's pipelining depth from the target's shared memory).
 def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
     from engine.kernels import fp8_gemm as fp8
-    from engine.kernels.mxfp4_moe import _mxfp4_down_kernel, _mxfp4_gate_up_kernel
+    from engine.kernels.fp4_moe import _fp4_down_kernel, _fp4_gate_up_kernel
 
     def compile_shared(fn, signature, constexprs, num_warps, num_stages):
         names = list(signature) + list(constexprs)
@@ -87,18 +88,20 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
         stride_om="i32", stride_og="i32",
     ), dict(R=4096, E8M0=True, GROUP_M=8, BLOCK_M=128, BLOCK_N=128, F32_DOT=False), 8,
         on_target(arch, fp8.prefill_stages, device))  # fmt: skip
-    for block_m in (16, 32):
-        out[f"mxfp4 gate_up BLOCK_M={block_m}"] = compile_shared(_mxfp4_gate_up_kernel, dict(
-            x_ptr="*bf16", w1_ptr="*u8", s1_ptr="*u8", w3_ptr="*u8", s3_ptr="*u8", pair_ptr="*i64",
-            weights_ptr="*fp32", active_ptr="*i64", offsets_ptr="*i64", h_ptr="*bf16", stride_xn="i32",
-            stride_we="i32", stride_wi="i32", stride_se="i32", stride_si="i32", stride_hm="i32", limit="fp32",
-        ), dict(E=256, TOP_K=6, D=4096, CLAMP=True, BLOCK_M=block_m, BLOCK_I=32, BLOCK_K=256, F32_DOT=False),
+    for (layout, group, nv), block_m in itertools.product((("mxfp4", 32, False), ("nvfp4", 16, True)), (16, 32)):
+        out[f"{layout} gate_up BLOCK_M={block_m}"] = compile_shared(_fp4_gate_up_kernel, dict(
+            x_ptr="*bf16", w1_ptr="*u8", s1_ptr="*u8", g1_ptr="*fp32", w3_ptr="*u8", s3_ptr="*u8", g3_ptr="*fp32",
+            pair_ptr="*i64", weights_ptr="*fp32", active_ptr="*i64", offsets_ptr="*i64", h_ptr="*bf16",
+            stride_xn="i32", stride_we="i32", stride_wi="i32", stride_se="i32", stride_si="i32", stride_hm="i32",
+            limit="fp32",
+        ), dict(E=256, TOP_K=6, D=4096, CLAMP=True, G=group, NV=nv, BLOCK_M=block_m, BLOCK_I=32, BLOCK_K=256,
+                F32_DOT=False), 4, 4)  # fmt: skip
+        out[f"{layout} down BLOCK_M={block_m}"] = compile_shared(_fp4_down_kernel, dict(
+            h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", g2_ptr="*fp32", pair_ptr="*i64", active_ptr="*i64",
+            offsets_ptr="*i64", y_ptr="*bf16", stride_hm="i32", stride_we="i32", stride_wd="i32", stride_se="i32",
+            stride_sd="i32", stride_ym="i32",
+        ), dict(E=256, INTER=2048, G=group, NV=nv, BLOCK_M=block_m, BLOCK_D=64, BLOCK_K=256, F32_DOT=False),
             4, 4)  # fmt: skip
-        out[f"mxfp4 down BLOCK_M={block_m}"] = compile_shared(_mxfp4_down_kernel, dict(
-            h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", pair_ptr="*i64", active_ptr="*i64", offsets_ptr="*i64",
-            y_ptr="*bf16", stride_hm="i32", stride_we="i32", stride_wd="i32", stride_se="i32", stride_sd="i32",
-            stride_ym="i32",
-        ), dict(E=256, INTER=2048, BLOCK_M=block_m, BLOCK_D=64, BLOCK_K=256, F32_DOT=False), 4, 4)  # fmt: skip
     return out
 
 

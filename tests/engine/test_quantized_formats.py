@@ -1,10 +1,11 @@
-"""Weights kept as the official checkpoint stores them: FP8 block-scaled dense linears and MXFP4 routed experts. A
-rank loads only its part (at world size 2 and 4 the parts put back together are the stored tensors, codes and
-scales alike), the layers compute what the kernels' references compute on those tensors, and the tiny checkpoint in
-the official layout serves from its stored bytes."""
+"""Weights kept as the checkpoints store them: FP8 block-scaled dense linears and MXFP4 routed experts (the official
+layout), NVFP4 routed experts (NVIDIA ModelOpt's). A rank loads only its part (at world size 2 and 4 the parts put
+back together are the stored tensors, codes and scales alike), the layers compute what the kernels' references
+compute on those tensors, and the tiny checkpoint in each layout serves from its stored bytes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -12,17 +13,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
+from engine.kernels.fp4_moe import PackedFp4, moe_expert_pairs_fp4_reference
 from engine.kernels.fp8_gemm import fp8_block_grouped_linear_reference, fp8_block_linear_reference
-from engine.kernels.mxfp4_moe import moe_expert_pairs_mxfp4_reference
-from engine.kernels.quant import e8m0_to_float, quantize_fp4_weight, quantize_fp8_weight
+from engine.kernels.quant import e8m0_to_float, quantize_fp4_weight, quantize_fp8_weight, quantize_nvfp4_weight
 from engine.llm import LLM
 from engine.model.linear import ColumnParallelLinear, GroupedColumnLinear, ProjectionGroup, RowParallelLinear, Shard
 from engine.model.loader import CheckpointError, load_model
 from engine.model.moe import Experts
-from engine.model.weight_formats import Formats, Fp8BlockScaled, Mxfp4Experts, Unquantized
+from engine.model.weight_formats import Formats, Fp8BlockScaled, Mxfp4Experts, Nvfp4Experts, Unquantized
 from engine.model.weights import checkpoint_tensors
 from engine.sampling_params import SamplingParams
 from engine.tools.convert_official import convert
+from engine.tools.make_tiny import make_tiny
 from tests.engine.conftest import load_with_cache, prefill_logits
 
 GEN = torch.Generator().manual_seed(5)
@@ -39,6 +41,17 @@ def _fp4(rows, cols):
     return {"weight": weight, "scale": scale}
 
 
+def _nvfp4(rows, cols):
+    weight, scale, global_scale = quantize_nvfp4_weight(torch.randn(rows, cols, generator=GEN) * 0.05)
+    return {"weight": weight.view(torch.uint8), "weight_scale": scale, "weight_scale_2": global_scale,
+            "input_scale": torch.tensor(0.01)}  # fmt: skip
+
+
+def _experts_stored(n, fmt):
+    return {f"e.{i}.{w}": fmt(*shape) for i in range(n) for w, shape in
+            (("w1", (64, 128)), ("w3", (64, 128)), ("w2", (128, 64)))}  # fmt: skip
+
+
 def _load(layer, stored):
     for entry in layer.weight_entries():
         entry.load(stored[entry.name])
@@ -52,6 +65,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def official_dir(tiny_dir, tmp_path_factory):
     return convert(tiny_dir, tmp_path_factory.mktemp("official") / "tiny-official")
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("nvfp4") / "tiny-nvfp4", layout="nvfp4")
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -75,15 +93,19 @@ def test_fp8_shards_put_back_together_are_the_stored_codes_and_scales(size):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_mxfp4_expert_ranges_put_back_together_are_the_stored_experts(size):
-    stored = {f"e.{i}.{w}": _fp4(*shape) for i in range(8) for w, shape in
-              (("w1", (64, 128)), ("w3", (64, 128)), ("w2", (128, 64)))}  # fmt: skip
-    parts = [_load(Experts(8, 128, 64, 0.0, "e", Mxfp4Experts(), Shard(rank, size)), stored) for rank in range(size)]
+@pytest.mark.parametrize(("fmt", "make", "keys"), [
+    (Mxfp4Experts(), _fp4, ("weight", "scale")),
+    (Nvfp4Experts(), _nvfp4, ("weight", "weight_scale", "weight_scale_2", "input_scale")),
+], ids=["mxfp4", "nvfp4"])  # fmt: skip
+def test_fp4_expert_ranges_put_back_together_are_the_stored_experts(size, fmt, make, keys):
+    stored = _experts_stored(8, make)
+    parts = [_load(Experts(8, 128, 64, 0.0, "e", fmt, Shard(rank, size)), stored) for rank in range(size)]
     for w in ("w1", "w3", "w2"):
-        for key in ("weight", "scale"):
+        for key in keys:
             whole = torch.cat([getattr(p, w).params()[key] for p in parts])
-            assert torch.equal(_bits(whole), _bits(torch.stack([stored[f"e.{i}.{w}"][key] for i in range(8)])))
-    assert parts[0].w1.weight.dtype == torch.int8 and parts[0].w1.scale.dtype == torch.float8_e8m0fnu
+            want = torch.stack([stored[f"e.{i}.{w}"][key].reshape(whole.shape[1:]) for i in range(8)])
+            assert torch.equal(_bits(whole), _bits(want)), (w, key)
+    assert parts[0].w1.weight.dtype == torch.int8
 
 
 def test_row_parallel_fp8_partial_sums_add_up_to_the_whole_product():
@@ -114,16 +136,21 @@ def test_fp8_layers_compute_the_block_scaled_reference_on_the_stored_tensors():
                                                                  grouped["a.wo_a"]["scale"]), atol=0)  # fmt: skip
 
 
-def test_mxfp4_experts_compute_the_reference_on_the_packed_weights():
-    stored = {f"e.{i}.{w}": _fp4(*shape) for i in range(5) for w, shape in
-              (("w1", (64, 128)), ("w3", (64, 128)), ("w2", (128, 64)))}  # fmt: skip
-    experts = _load(Experts(5, 128, 64, 7.0, "e", Mxfp4Experts(), Shard()), stored)
+@pytest.mark.parametrize(("fmt", "make"), [(Mxfp4Experts(), _fp4), (Nvfp4Experts(), _nvfp4)], ids=["mxfp4", "nvfp4"])
+def test_fp4_experts_compute_the_reference_on_the_packed_weights(fmt, make):
+    stored = _experts_stored(5, make)
+    experts = _load(Experts(5, 128, 64, 7.0, "e", fmt, Shard()), stored)
     x = torch.randn(6, 128, generator=GEN, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 3], [4, 1], [2, 2], [3, 0], [1, 4], [0, 1]])
     weights = torch.rand(6, 2, generator=GEN)
-    w = {k: experts.get_submodule(k).params() for k in ("w1", "w3", "w2")}
-    want = moe_expert_pairs_mxfp4_reference(x, weights, ids, w["w1"]["weight"], w["w1"]["scale"], w["w3"]["weight"],
-                                            w["w3"]["scale"], w["w2"]["weight"], w["w2"]["scale"], 7.0)  # fmt: skip
+
+    def packed(w):  # the stored tensors, stacked: not the layer's parameters
+        tensors = [stored[f"e.{i}.{w}"] for i in range(5)]
+        stack = {key: torch.stack([t[key] for t in tensors]) for key in tensors[0]}
+        scale = stack.get("scale", stack.get("weight_scale"))
+        return PackedFp4(stack["weight"], scale, stack.get("weight_scale_2"))
+
+    want = moe_expert_pairs_fp4_reference(x, weights, ids, packed("w1"), packed("w3"), packed("w2"), 7.0)
     assert torch.equal(experts(x, weights, ids), want)
 
 
@@ -145,6 +172,14 @@ def test_stored_tensors_that_do_not_fit_the_format_are_refused_by_name():
     assert kept.scale.dtype == torch.float32 and float(kept.scale) == pytest.approx(0.3)  # Flash-Base's fp32 scales
     with pytest.raises(ValueError, match="MXFP4 is a format of the routed experts only"):
         Mxfp4Experts().create(64, 64)
+    nvfp4 = Experts(2, 128, 64, 0.0, "e", Nvfp4Experts(), Shard())
+    entry = nvfp4.weight_entries().__next__()
+    with pytest.raises(ValueError, match="without weight_scale_2, input_scale"):
+        entry.load({k: v for k, v in _nvfp4(64, 128).items() if k in ("weight", "weight_scale")})
+    with pytest.raises(ValueError, match=r"expected shape \(64, 64\) with weight_scale \(64, 8\)"):
+        entry.load(_nvfp4(64, 64))
+    with pytest.raises(ValueError, match="weight_scale_2 must be one fp32 value"):
+        entry.load(_nvfp4(64, 128) | {"weight_scale_2": torch.ones(2)})
 
 
 def test_the_checkpoint_config_picks_the_formats():
@@ -158,6 +193,82 @@ def test_the_checkpoint_config_picks_the_formats():
     assert Formats.for_checkpoint(base).dense == Fp8BlockScaled(torch.float32)
     assert Formats.for_checkpoint(base).experts == Unquantized()  # its FP8 experts: dequantized on load
     assert Formats.for_checkpoint(official, "dequantized") == Formats() == Formats.for_checkpoint({})
+
+
+def _modelopt(layers: dict) -> dict:
+    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "exclude_modules": [],
+            "quantized_layers": layers}  # fmt: skip
+
+
+def test_a_modelopt_mixed_precision_table_makes_its_nvfp4_experts(tmp_path):
+    """vLLM's ModelOptMixedPrecisionConfig reads the table from config.json's quantization_config, else from
+    hf_quant_config.json's `quantization`; keys name each expert projection (or a layer's experts)."""
+    layers = {f"layers.{i}.ffn.experts.{e}.w{w}": {"quant_algo": "NVFP4", "group_size": 16}
+              for i in (0, 1) for e in range(4) for w in (1, 2, 3)}  # fmt: skip
+    layers |= {"layers.2.ffn.experts": {"quant_algo": "W4A16_NVFP4"}, "layers.0.attn.wq_a": {"quant_algo": "FP8"}}
+    table = _modelopt(layers)
+    formats = Formats.for_checkpoint({"quantization_config": {"quant_method": "modelopt", **table}})
+    assert formats.nvfp4_experts == {"layers.0.ffn.experts", "layers.1.ffn.experts", "layers.2.ffn.experts"}
+    assert formats.routed("layers.1.ffn.experts") == Nvfp4Experts()
+    assert formats.routed("mtp.0.ffn.experts") == Mxfp4Experts()  # NVIDIA's checkpoint keeps the MTP experts MXFP4
+    assert formats.linear("layers.3.attn.wo_a") == Fp8BlockScaled()
+    (tmp_path / "config.json").write_text(json.dumps({"expert_dtype": "fp4"}))
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": table})
+    )
+    assert Formats.for_model_dir(tmp_path) == formats
+    assert Formats.for_model_dir(tmp_path, "dequantized") == Formats()
+    with pytest.raises(ValueError, match="only NVFP4 experts are supported"):
+        Formats.for_checkpoint({}, hf_quant_config={"quantization": _modelopt({"layers.0.ffn.experts.0.w1": {
+            "quant_algo": "FP8"}})})  # fmt: skip
+    with pytest.raises(ValueError, match="group_size 32, not 16"):
+        Formats.for_checkpoint({}, hf_quant_config={"quantization": _modelopt({"layers.0.ffn.experts.0.w1": {
+            "quant_algo": "NVFP4", "group_size": 32}})})  # fmt: skip
+    with pytest.raises(ValueError, match="quant_algo 'NVFP4' is not supported: MIXED_PRECISION"):
+        Formats.for_checkpoint({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})
+
+
+def test_the_nvfp4_checkpoint_loads_as_stored_bit_for_bit(nvfp4_dir):
+    """make_tiny --layout nvfp4 (convert_official --experts nvfp4): ModelOpt's names and dtypes, the MTP experts
+    MXFP4; every stored tensor is held as stored, and nothing else."""
+    config = json.loads((nvfp4_dir / "config.json").read_text())
+    assert config["quantization_config"]["quant_algo"] == "MIXED_PRECISION"
+    model = load_model(nvfp4_dir, dtype=torch.bfloat16)
+    stored, held = load_file(nvfp4_dir / "model.safetensors"), checkpoint_tensors(model)
+    assert held.keys() == stored.keys()
+    w1 = "layers.0.ffn.experts.0.w1"
+    assert stored[f"{w1}.weight"].dtype == torch.uint8 and stored[f"{w1}.weight_scale"].dtype == torch.float8_e4m3fn
+    assert stored[f"{w1}.weight_scale_2"].shape == () and "mtp.0.ffn.experts.0.w1.scale" in stored
+    for name, tensor in stored.items():
+        assert torch.equal(_bits(held[name].reshape(tensor.shape)).float(), _bits(tensor).float()), name
+    packed = [t for n, t in stored.items() if t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8)]
+    assert sum(t.numel() for t in packed) == sum(
+        p.numel() for p in model.parameters() if p.dtype in (torch.float8_e4m3fn, torch.int8)
+    )  # no dequantized copy beside the codes
+
+
+def test_the_nvfp4_checkpoint_computes_nearly_the_dequantized_model(nvfp4_dir, official_dir, prompt_ids):
+    as_stored = load_with_cache(nvfp4_dir, dtype=torch.float32)
+    dequantized = load_with_cache(nvfp4_dir, dtype=torch.float32, weight_formats="dequantized")
+    a, b = prefill_logits(as_stored, prompt_ids[:200]), prefill_logits(dequantized, prompt_ids[:200])
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).mean() > 0.98  # as the official layout (above)
+    mxfp4 = prefill_logits(load_with_cache(official_dir, dtype=torch.float32), prompt_ids[:200])
+    # the same bf16 weights quantized two ways: NVFP4's finer scales land at least as close as MXFP4's
+    assert torch.nn.functional.cosine_similarity(a, mxfp4, dim=-1).mean() > 0.9
+
+
+def test_the_engine_serves_the_nvfp4_checkpoint_and_dummy_weights_take_its_formats(nvfp4_dir, prompt_ids, tmp_path):
+    llm = LLM(str(nvfp4_dir), dtype="float32")
+    ids = prompt_ids[:40].tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    first = prefill_logits(load_with_cache(nvfp4_dir, dtype=torch.float32), torch.tensor(ids))[-1].argmax()
+    assert len(out.token_ids) == 8 and out.token_ids[0] == int(first)
+    (tmp_path / "config.json").write_text((nvfp4_dir / "config.json").read_text())
+    model = load_model(tmp_path, dtype=torch.bfloat16, load_format="dummy")
+    w1 = model.layers[0].ffn.experts.w1
+    assert w1.weight.dtype == torch.int8 and w1.weight_scale.dtype == torch.float8_e4m3fn
+    dense = PackedFp4(w1.weight, w1.weight_scale, w1.weight_scale_2).dequantized(torch.arange(2), torch.float32)
+    assert 0.5 < float(dense.std() * dense.shape[-1] ** 0.5) < 2  # unit-variance outputs, as plain weights
     with pytest.raises(ValueError, match="weight_formats must be one of"):
         EngineConfig(model="m", weight_formats="fp8")
 

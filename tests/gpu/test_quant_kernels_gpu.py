@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels.fp4_moe import PackedFp4, moe_expert_pairs_fp4_reference, moe_expert_pairs_fp4_triton
 from engine.kernels.fp8_gemm import (
     fp8_block_grouped_linear_reference,
     fp8_block_grouped_linear_triton,
@@ -16,7 +17,6 @@ from engine.kernels.fp8_gemm import (
     quantize_activations_reference,
     quantize_activations_triton,
 )
-from engine.kernels.mxfp4_moe import moe_expert_pairs_mxfp4_reference, moe_expert_pairs_mxfp4_triton
 from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.gpu
@@ -104,9 +104,9 @@ def experts():
     def packed(rows, cols):
         codes = torch.randint(0, 256, (E, rows, cols // 2), device=DEV, generator=gen, dtype=torch.uint8)
         scale = torch.randint(117, 121, (E, rows, cols // 32), device=DEV, generator=gen, dtype=torch.uint8)
-        return codes, scale.view(torch.float8_e8m0fnu)
+        return PackedFp4(codes, scale.view(torch.float8_e8m0fnu))
 
-    return (*packed(INTER, D), *packed(INTER, D), *packed(D, INTER))
+    return packed(INTER, D), packed(INTER, D), packed(D, INTER)
 
 
 def _routing(n: int, gen: torch.Generator, n_experts: int = E):
@@ -122,8 +122,8 @@ def test_mxfp4_experts_at_flash_sizes(experts, n, n_experts):
     weights, ids = _routing(n, gen, n_experts)
     x = torch.randn(n, D, device=DEV, generator=gen).bfloat16()
     touched = torch.zeros(1, dtype=torch.int64, device=DEV)
-    got = moe_expert_pairs_mxfp4_triton(x, weights, ids, *experts, LIMIT, touched)
-    ref = moe_expert_pairs_mxfp4_reference(x, weights, ids, *experts, LIMIT)
+    got = moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT, touched)
+    ref = moe_expert_pairs_fp4_reference(x, weights, ids, *experts, LIMIT)
     assert touched.item() == len(torch.unique(ids))
     # The reference rounds gate/up to bf16 before SwiGLU, the kernel keeps them in fp32 (as the bf16 path's test).
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=4e-2)
@@ -134,11 +134,11 @@ def test_mxfp4_experts_in_a_cuda_graph(experts):
     gen = torch.Generator(device=DEV).manual_seed(5)
     x = torch.randn(16, D, device=DEV, generator=gen).bfloat16()
     weights, ids = _routing(16, gen)
-    graph, out = capture(lambda: moe_expert_pairs_mxfp4_triton(x, weights, ids, *experts, LIMIT))
+    graph, out = capture(lambda: moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT))
     for seed in (6, 7):
         new_weights, new_ids = _routing(16, torch.Generator(device=DEV).manual_seed(seed))
         x.normal_(generator=gen)
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
-        assert torch.equal(out, moe_expert_pairs_mxfp4_triton(x, weights, ids, *experts, LIMIT))
+        assert torch.equal(out, moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT))

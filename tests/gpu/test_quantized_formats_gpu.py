@@ -1,5 +1,6 @@
-"""The official-layout checkpoint served as stored on a GPU: the FP8 linears and MXFP4 experts run their Triton
-kernels, in CUDA graphs too, and compute what the plain-torch references compute on the CPU from the same bytes."""
+"""The official-layout checkpoint (FP8 linears, MXFP4 experts) and ModelOpt's (NVFP4 experts) served as stored on a
+GPU: the linears and experts run their Triton kernels, in CUDA graphs too, and compute what the plain-torch references
+compute on the CPU from the same bytes."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from engine.model.loader import load_model
 from engine.model.state import ForwardBatch
 from engine.sampling_params import SamplingParams
 from engine.standalone import Standalone
-from engine.tools.convert_official import convert
 from engine.tools.make_tiny import make_tiny
 
 pytestmark = pytest.mark.gpu
 
-QUANTIZED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+QUANTIZED = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
 
 
-@pytest.fixture(scope="module")
-def official_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return convert(make_tiny(root / "tiny"), root / "tiny-official")
+@pytest.fixture(scope="module", params=["official", "nvfp4"])
+def official_dir(request, tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", layout=request.param)
 
 
 def _prefill_logits(model_dir, device: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The FP8 / FP4 formats of the official checkpoint, against values worked out by hand."""
+"""The FP8 / FP4 formats of the official checkpoint and ModelOpt's NVFP4, against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from engine.cache.kv_cache import MainRows
 from engine.kernels.quant import (
     dequantize_fp4_weight,
     dequantize_fp8_weight,
+    dequantize_nvfp4_weight,
     fp4_simulate,
     fp8_simulate,
     hadamard_rotate,
     quantize_fp4_weight,
     quantize_fp8_weight,
+    quantize_nvfp4_weight,
     simulate_kv_row_fp8,
 )
 
@@ -24,6 +26,19 @@ def test_fp4_packing_low_nibble_is_the_even_element_and_bit3_the_sign():
     assert packed.view(torch.uint8)[0, 0].item() == (0x1 | (0xF << 4))  # 0.5 = code 1; -6 = sign | code 7
     assert scale.view(torch.uint8)[0, 0].item() == 127  # 2^0
     assert torch.equal(dequantize_fp4_weight(packed, scale), w)
+
+
+def test_nvfp4_as_modelopt_makes_it_global_scale_e4m3_block_scales_and_codes():
+    """amax 6 x 448 x 2**-4 -> global scale 2**-4; a block of max 3 -> e4m3 scale 3/6 / 2**-4 = 8; a zero block -> 0."""
+    w = torch.zeros(1, 48)
+    w[0, :2] = torch.tensor([6 * 448 * 2**-4, -0.5 * 448 * 2**-4])  # block 0: max at the top code, 0.5 scaled
+    w[0, 16:18] = torch.tensor([3.0, -1.5])
+    packed, scale, global_scale = quantize_nvfp4_weight(w)
+    assert global_scale.item() == 2**-4 and scale.dtype == torch.float8_e4m3fn and scale.shape == (1, 3)
+    assert scale.float().tolist() == [[448.0, 8.0, 0.0]]
+    assert packed.view(torch.uint8)[0, 0].item() == (0x7 | (0x9 << 4))  # 6 = code 7; -0.5 = sign | code 1
+    assert torch.equal(dequantize_nvfp4_weight(packed, scale, global_scale), w)
+    assert dequantize_nvfp4_weight(packed, scale, global_scale, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_fp4_rounds_to_nearest_with_ties_to_even_codes():

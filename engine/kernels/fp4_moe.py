@@ -1,0 +1,244 @@
+"""The routed experts' grouped GEMM over FP4 weights kept packed in GPU memory, in the two layouts checkpoints ship:
+MXFP4 as the official checkpoint stores it (reference §9: packed e2m1 pairs, low nibble = the even element, one ue8m0
+scale per 32 values) and NVFP4 as NVIDIA's ModelOpt checkpoint stores it (the same codes, one e4m3 scale per 16 values
+and one fp32 global scale per expert and projection; docs/quantized-weights.md cites the names).
+
+The same pipeline as the bf16 path in engine/kernels/moe.py, whose counting sort and pair order it reuses: pairs
+grouped by expert, then a gate/up launch (clamped SwiGLU and the routing weight fused, h in x's dtype) and a down
+launch over the active experts only, each program reading its expert's weight tile once per BLOCK_M pairs. Every
+shape depends on N, k and E only and nothing goes to the host, so a CUDA graph captured for a batch size replays with
+any routing.
+
+W4A16: the codes are upcast to x's dtype (bf16) in registers and meet the activations on the bf16 tensor cores.
+Hopper has no FP4 tensor cores; the alternative, W4A8 (e2m1 -> e4m3 is exact), would run the FP8 tensor cores but
+the per-block weight scale then applies either to a K=32 (or 16) partial sum per token (an fp32 multiply-add per
+token and block, as much work as the upcast at batch 32) or not exactly, and the activations would be rounded to e4m3
+where the bf16 path keeps them; decode streams weights, so the MMA rate that W4A8 doubles is not what limits it, and
+the conversion costs the same bit operations either way. (Not yet decided by measurement on the H200: bench/quant.py
+reports the W4A16 kernel's fraction of copy bandwidth.)
+
+The upcast is a handful of integer operations a code and no table: the nibble's sign, exponent and mantissa bits
+placed into e4m3 bits (sign -> bit 7, e and m -> bits 2-4) give exactly the e2m1 value times 2**-6 (0.5 lands on an
+e4m3 subnormal), the hardware's e4m3 conversion makes it fp32, and one multiply by the block's factor restores it:
+2**(scale - 121) for a ue8m0 scale (exact: a power of two), fl32(scale x global) x 2**6 for NVFP4 (the 2**6 exact, so
+the product is the reference's code x fl32(scale x global)). The dot is split into the even and the odd elements of
+each K tile (low and high nibbles, x loaded likewise), so no shuffle puts them back in order. ue8m0 scales up to
+2**121 (bytes <= 248) are exact; the checkpoint's are near 2**-10.
+
+The weights are taken in the checkpoint's layout (`PackedFp4`): w1, w3 [E, I, D/2] (uint8 or int8) with scales
+[E, I, D/g] and w2 [E, D, I/2] with [E, D, I/g] (g = 32 for ue8m0 scales, 16 for e4m3 ones, which come with a global
+scale [E]), K contiguous: each program reads rows of g/2 bytes for each g values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.dispatch import interpreting, use_triton
+from engine.kernels.moe import _dot, moe_expert_pairs_reference, sort_pairs
+from engine.kernels.quant import NVFP4_BLOCK, dequantize_fp4_weight, dequantize_nvfp4_weight
+from engine.kernels.scales import pow2
+
+MX_BLOCK = 32  # values per ue8m0 scale
+
+
+@dataclass(frozen=True)
+class PackedFp4:
+    """One projection of E experts as stored: codes [E, R, C/2], block scales [E, R, C/g] (ue8m0, g = 32: MXFP4; or
+    e4m3, g = 16: NVFP4) and, for NVFP4, the global scales [E] (fp32)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def block(self) -> int:
+        return MX_BLOCK if self.global_scale is None else NVFP4_BLOCK
+
+    def dequantized(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The experts `experts` as [len(experts), R, C] floats of `dtype` (exact in fp32 and wider)."""
+        if self.global_scale is None:
+            return dequantize_fp4_weight(self.codes[experts], self.scale[experts], dtype)
+        return dequantize_nvfp4_weight(self.codes[experts], self.scale[experts],
+                                       self.global_scale[experts, None, None], dtype)  # fmt: skip
+
+
+def moe_expert_pairs_fp4_reference(x, weights, ids, w1: PackedFp4, w3: PackedFp4, w2: PackedFp4, limit,
+                                   touched=None, remote=False):  # fmt: skip
+    """x [N, D]; weights [N, k] fp32; ids [N, k]; w1, w3 [E, I, D] and w2 [E, D, I] packed -> [N * k, D] in x's dtype:
+    moe_expert_pairs_reference over the picked experts' weights dequantized to x's dtype (an id of E, another rank's
+    expert, the last of them: a zero row)."""
+    experts, local = torch.unique(ids, return_inverse=True)
+    experts = experts[experts < len(w1.codes)]
+    return moe_expert_pairs_reference(
+        x, weights, local, w1.dequantized(experts, x.dtype), w3.dequantized(experts, x.dtype),
+        w2.dequantized(experts, x.dtype), limit, touched,
+    )  # fmt: skip
+
+
+@triton.jit
+def _upcast(codes, scale, global_scale, NV: tl.constexpr, DTYPE: tl.constexpr):
+    """codes uint8 [ROWS, B, g/2] (B blocks of g values), scale uint8 [ROWS, B] (ue8m0 bytes, or e4m3 bytes when NV,
+    with the expert's fp32 `global_scale`) -> (even, odd) [ROWS, B * g/2] in DTYPE: the low and the high nibbles'
+    values. e4m3 -> fp32, the scaling multiply in fp32, then DTYPE: Triton 3.6 converts e4m3 to bf16 through an
+    instruction sm_89 lacks, and its interpreter's bf16 products are wrong."""
+    low = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
+    high = (codes & 0x80) | ((codes >> 2) & 0x1C)
+    if NV:
+        factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * global_scale * 64.0)[:, :, None]
+    else:
+        factor = pow2(scale.to(tl.int32) - 121)[:, :, None]
+    rows: tl.constexpr = codes.shape[0]
+    width: tl.constexpr = codes.shape[1] * codes.shape[2]
+    even = (low.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
+    odd = (high.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
+    return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
+
+
+@triton.jit
+def _fp4_tile_offsets(e, rows, stride_we, stride_wr, stride_se, stride_sr, BLOCK_K: tl.constexpr, G: tl.constexpr):
+    """Byte offsets of one expert's code tile [rows, BLOCK_K/G, G/2] and scale tile [rows, BLOCK_K/G] at K = 0."""
+    blocks = tl.arange(0, BLOCK_K // G)
+    byte = tl.arange(0, G // 2)
+    codes = (e.to(tl.int64) * stride_we + rows[:, None, None] * stride_wr + blocks[None, :, None] * (G // 2)
+             + byte[None, None])  # fmt: skip
+    scales = e.to(tl.int64) * stride_se + rows[:, None] * stride_sr + blocks[None, :]
+    return codes, scales
+
+
+@triton.jit
+def _fp4_gate_up_kernel(
+    x_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, pair_ptr, weights_ptr, active_ptr, offsets_ptr, h_ptr,
+    stride_xn, stride_we, stride_wi, stride_se, stride_si, stride_hm, limit,
+    E: tl.constexpr, TOP_K: tl.constexpr, D: tl.constexpr, CLAMP: tl.constexpr, G: tl.constexpr, NV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """moe._gate_up_kernel over packed weights: one expert's rows [tile * BLOCK_I, +BLOCK_I) of w1 and w3 against all
+    of that expert's pairs, transposed (weights as the dot's M side). g1, g3: the global scales when NV."""
+    e = tl.load(active_ptr + tl.program_id(0))
+    if e < E:
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        g1 = tl.load(g1_ptr + e) if NV else 1.0
+        g3 = tl.load(g3_ptr + e) if NV else 1.0
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        w_offs, s_offs = _fp4_tile_offsets(e, i, stride_we, stride_wi, stride_se, stride_si, BLOCK_K, G)
+        even = 2 * tl.arange(0, BLOCK_K // 2)
+        dtype = h_ptr.dtype.element_ty
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            valid = rows < end
+            pair = tl.load(pair_ptr + rows, mask=valid, other=0)
+            x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + even[:, None]  # [BLOCK_K / 2, BLOCK_M]
+            gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+            up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                x_even = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
+                x_odd = tl.load(x_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
+                g_even, g_odd = _upcast(tl.load(w1_ptr + w_offs + k0 // 2), tl.load(s1_ptr + s_offs + k0 // G), g1,
+                                        NV, dtype)  # fmt: skip
+                u_even, u_odd = _upcast(tl.load(w3_ptr + w_offs + k0 // 2), tl.load(s3_ptr + s_offs + k0 // G), g3,
+                                        NV, dtype)  # fmt: skip
+                gate = _dot(g_odd, x_odd, _dot(g_even, x_even, gate, F32_DOT), F32_DOT)
+                up = _dot(u_odd, x_odd, _dot(u_even, x_even, up, F32_DOT), F32_DOT)
+            if CLAMP:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = gate * tl.sigmoid(gate) * up * tl.load(weights_ptr + pair, mask=valid, other=0.0)[None, :]
+            tl.store(h_ptr + rows[None, :] * stride_hm + i[:, None], h.to(dtype), mask=valid[None, :])
+
+
+@triton.jit
+def _fp4_down_kernel(
+    h_ptr, w2_ptr, s2_ptr, g2_ptr, pair_ptr, active_ptr, offsets_ptr, y_ptr,
+    stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
+    E: tl.constexpr, INTER: tl.constexpr, G: tl.constexpr, NV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    """moe._down_kernel over packed weights: one expert's rows [tile * BLOCK_D, +BLOCK_D) of w2 against all of that
+    expert's pairs."""
+    e = tl.load(active_ptr + tl.program_id(0))
+    if e < E:
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        g2 = tl.load(g2_ptr + e) if NV else 1.0
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        w_offs, s_offs = _fp4_tile_offsets(e, d, stride_we, stride_wd, stride_se, stride_sd, BLOCK_K, G)
+        even = 2 * tl.arange(0, BLOCK_K // 2)
+        dtype = y_ptr.dtype.element_ty
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            valid = rows < end
+            pair = tl.load(pair_ptr + rows, mask=valid, other=0)
+            h_ptrs = h_ptr + rows[None, :] * stride_hm + even[:, None]
+            acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                h_even = tl.load(h_ptrs + k0, mask=valid[None, :], other=0.0)
+                h_odd = tl.load(h_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
+                w_even, w_odd = _upcast(tl.load(w2_ptr + w_offs + k0 // 2), tl.load(s2_ptr + s_offs + k0 // G), g2,
+                                        NV, dtype)  # fmt: skip
+                acc = _dot(w_odd, h_odd, _dot(w_even, h_even, acc, F32_DOT), F32_DOT)
+            tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def moe_expert_pairs_fp4_triton(
+    x, weights, ids, w1: PackedFp4, w3: PackedFp4, w2: PackedFp4, limit, touched=None, remote=False,
+    block_m: int | None = None, block_i: int = 32, block_d: int = 64, block_k: int = 256, num_warps: int = 4,
+    num_stages: int = 4,
+):  # fmt: skip
+    """Three launches, as moe.moe_expert_pairs_triton: the counting sort (which counts the experts touched), then
+    gate/up and down over the active experts. block_k counts values (two a byte), a multiple of 32."""
+    n, dim = x.shape
+    n_experts, inter, _ = w1.codes.shape
+    top_k, group, nv = ids.shape[1], w1.block, w1.global_scale is not None
+    pairs = n * top_k
+    if pairs == 0:
+        return torch.zeros(pairs, dim, dtype=x.dtype, device=x.device)
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
+    block_i, block_d = min(block_i, inter), min(block_d, dim)
+    block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)
+    c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
+    s1, s3, s2 = _bytes(w1.scale), _bytes(w3.scale), _bytes(w2.scale)
+    if (inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or block_k_up % MX_BLOCK
+            or block_k_down % MX_BLOCK or c1.stride() != c3.stride() or s1.stride() != s3.stride()
+            or tuple(c2.shape) != (n_experts, dim, inter // 2) or c1.stride(2) != 1 or c2.stride(2) != 1
+            or s1.stride(2) != 1 or s2.stride(2) != 1 or s1.shape[2] * group != dim
+            or any((w.global_scale is not None) != nv for w in (w3, w2))):  # fmt: skip
+        raise ValueError(f"FP4 experts D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}, or their "
+                         "codes / scales are not laid out alike with K contiguous")  # fmt: skip
+    # MXFP4 has no global scales: the scale tensors stand in for the pointers the kernels then never read
+    g1, g3, g2 = (w.global_scale if nv else s for w, s in ((w1, s1), (w3, s3), (w2, s2)))
+    x = x.contiguous()
+    order, offsets, active, y = sort_pairs(ids, n_experts, touched, remote, dim, x)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
+    f32_dot = x.dtype == torch.float32 or interpreting()
+    _fp4_gate_up_kernel[(len(active), inter // block_i)](
+        x, c1, s1, g1, c3, s3, g3, order, weights.reshape(-1), active, offsets, h,
+        x.stride(0), c1.stride(0), c1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), limit,
+        E=n_experts, TOP_K=top_k, D=dim, CLAMP=limit > 0, G=group, NV=nv,
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _fp4_down_kernel[(len(active), dim // block_d)](
+        h, c2, s2, g2, order, active, offsets, y,
+        h.stride(0), c2.stride(0), c2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        E=n_experts, INTER=inter, G=group, NV=nv,
+        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
+
+
+def moe_expert_pairs_fp4(x, weights, ids, w1: PackedFp4, w3: PackedFp4, w2: PackedFp4, limit, touched=None,
+                         remote=False):  # fmt: skip
+    """The Triton kernels on CUDA, the reference elsewhere."""
+    impl = moe_expert_pairs_fp4_triton if use_triton(x.device) else moe_expert_pairs_fp4_reference
+    return impl(x, weights, ids, w1, w3, w2, limit, touched, remote)
