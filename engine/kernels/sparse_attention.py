@@ -82,7 +82,9 @@ def attend_parts_with_sink(
     s = torch.cat([torch.einsum("thd,ld->thl" if k.dim() == 2 else "thd,tld->thl", q, k.to(q.dtype)) for k, _ in parts],
                   -1)  # fmt: skip
     s = (s * scale).masked_fill_(~torch.cat([a for _, a in parts], dim=-1)[:, None, :], float("-inf"))
-    m = torch.maximum(s.amax(dim=-1), sink[None, :])
+    # The max only keeps exp in range and cancels in the softmax: taken from detached scores, the in-place exp below
+    # does not overwrite what a backward pass (the demo model's training) needs.
+    m = torch.maximum(s.detach().amax(dim=-1), sink.detach()[None, :])
     p = s.sub_(m[..., None]).exp_()
     denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
     out = torch.zeros_like(q)

@@ -250,3 +250,27 @@ def test_attention_kernel_reads_window_rows_from_a_span(kv_dtype, splits):
     got = sparse_decode_attention_triton(*args, torch.zeros(len(positions), heads, dim), window, rope, True,
                                          splits=splits)  # fmt: skip
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_torch_attention_with_sinks_has_the_gradients_of_its_formula():
+    """The demo model trains through the torch prefill path: its attention gives the gradients of softmax over the
+    keys and the sink (float64, per-query and shared key parts, masked keys)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    window = torch.randn(5, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    shared = torch.randn(3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    sink = torch.randn(2, generator=gen, dtype=torch.float64, requires_grad=True)
+    allowed = [torch.rand(5, 4, generator=gen) > 0.3, torch.rand(5, 3, generator=gen) > 0.3]
+    allowed[0][:, 0] = True
+    got = sparse_attention.attend_parts_with_sink(q, [(window, allowed[0]), (shared, allowed[1])], sink, 0.5)
+    keys = torch.cat([window, shared.expand(5, 3, 8)], dim=1)
+    s = torch.einsum("thd,tld->thl", q, keys) * 0.5
+    s = s.masked_fill(~torch.cat(allowed, dim=1)[:, None, :], float("-inf"))
+    p = torch.softmax(torch.cat([s, sink[None, :, None].expand(5, 2, 1)], dim=-1), dim=-1)[..., :-1]
+    want = torch.einsum("thl,tld->thd", p, keys)
+    torch.testing.assert_close(got, want)
+    weights = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), (q, window, shared, sink))
+    expected = torch.autograd.grad((want * weights).sum(), (q, window, shared, sink))
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e)
