@@ -194,6 +194,22 @@ def encode_messages(
     return "".join(prompt)
 
 
+def declare(
+    messages: Sequence[Any], tools: Sequence[Any], response_format: Mapping[str, Any] | None = None
+) -> list[Any]:
+    """The request's tools and response format go on the first system message, as the encoder expects (an empty
+    system message is added when there is none)."""
+    declarations = ({"tools": tools} if tools else {}) | (
+        {"response_format": response_format} if response_format else {}
+    )
+    if not declarations:
+        return list(messages)
+    first = messages[0]
+    if isinstance(first, Mapping) and first.get("role") == "system":
+        return [{**first, **declarations}, *messages[1:]]
+    return [{"role": "system", "content": "", **declarations}, *messages]
+
+
 def _effort_prefix(level: Any, profile: str) -> str:
     if profile not in REASONING_EFFORT_PREFIXES:
         raise ChatEncodingError("profile", f"unknown checkpoint profile {profile!r}; expected '0731' or 'preview'")

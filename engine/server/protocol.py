@@ -31,7 +31,7 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import output_budget
-from engine.server.chat_encoding import ChatEncodingError, encode_messages
+from engine.server.chat_encoding import ChatEncodingError, declare, encode_messages
 from engine.server.grammar import GrammarError, Grammars, output_format
 from engine.server.tool_calls import ToolsError, parse_tool_policy
 from engine.tokenizer import Tokenizer
@@ -160,7 +160,7 @@ def parse_chat(
         raise invalid(str(error), error.param) from error
     response_format, response_schema = _response_format(body)
     thinking, effort = _thinking(body)
-    messages = _declare(
+    messages = declare(
         [_developer_as_system(message) for message in messages], body.get("tools") or [], response_format
     )
     try:
@@ -376,20 +376,6 @@ def _developer_as_system(message: Any) -> Any:
     if isinstance(message, Mapping) and message.get("role") == "developer":
         return {**message, "role": "system"}
     return message
-
-
-def _declare(messages: list[Any], tools: list[Any], response_format: Mapping[str, Any] | None) -> list[Any]:
-    """The request's tools and response format go on the first system message, as the encoder expects (an empty
-    system message is added when there is none)."""
-    declarations = ({"tools": tools} if tools else {}) | (
-        {"response_format": response_format} if response_format else {}
-    )
-    if not declarations:
-        return messages
-    first = messages[0]
-    if isinstance(first, Mapping) and first.get("role") == "system":
-        return [{**first, **declarations}, *messages[1:]]
-    return [{"role": "system", "content": "", **declarations}, *messages]
 
 
 def _token_ids(body: Mapping[str, Any], name: str, limits: Limits) -> list[int]:

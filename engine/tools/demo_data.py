@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 
 from engine.logging import configure_logging
-from engine.server.chat_encoding import encode_messages
+from engine.server.chat_encoding import declare, encode_messages
 from engine.server.dsml import parse_output
 from engine.tokenizer import Tokenizer
 from engine.tools.tiny_tokenizer import build_tiny_tokenizer
@@ -549,21 +549,12 @@ def default_tokenizer() -> Tokenizer:
     return Tokenizer(build_tiny_tokenizer())
 
 
-def declared(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None) -> list[Mapping[str, Any]]:
-    """The messages with the request's tools on the first system message (an empty one added when there is none),
-    as the server declares them before encoding (engine/server/protocol.py)."""
-    if not tools:
-        return list(messages)
-    first = messages[0]
-    if first.get("role") == "system":
-        return [{**first, "tools": tools}, *messages[1:]]
-    return [{"role": "system", "content": "", "tools": tools}, *messages]
-
-
 def render(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool) -> str:
     """The prompt text the server renders for this chat request."""
     mode = "thinking" if thinking else "chat"
-    return encode_messages(declared(messages, tools), mode, reasoning_effort=REASONING_EFFORT if thinking else None)
+    return encode_messages(
+        declare(messages, tools or []), mode, reasoning_effort=REASONING_EFFORT if thinking else None
+    )
 
 
 def _threads() -> ThreadPoolExecutor:

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from app.qualification.gates import answers, base, context, responses, tools
-from engine.server.chat_encoding import ASSISTANT, BOS, EOS, THINK_END, THINK_START, encode_messages
+from engine.server.chat_encoding import ASSISTANT, BOS, EOS, THINK_END, THINK_START, declare, encode_messages
 from engine.server.dsml import parse_output
 from engine.server.protocol import Limits, parse_chat
 from engine.tools import demo_data
@@ -27,7 +27,6 @@ from engine.tools.demo_data import (
     HeldOutLeak,
     Sample,
     check_held_out,
-    declared,
     generate,
     held_out_texts,
     mix_counts,
@@ -119,7 +118,9 @@ def test_prompts_are_what_the_server_renders_for_the_request(samples, tokenizer)
     for sample in samples:
         mode = "thinking" if sample.thinking else "chat"
         effort = "low" if sample.thinking else None
-        assert sample.prompt == encode_messages(declared(sample.messages, sample.tools), mode, reasoning_effort=effort)
+        assert sample.prompt == encode_messages(
+            declare(sample.messages, sample.tools or []), mode, reasoning_effort=effort
+        )
         assert sample.prompt.startswith(BOS)
         assert sample.prompt.endswith(ASSISTANT + (THINK_START if sample.thinking else THINK_END))
         assert sample.prompt + sample.completion == render(
