@@ -23,7 +23,8 @@ then also runs the eager steps' shapes (`_warm_up`): Triton compiles a kernel va
 integer argument that is 1, a multiple of 16 or neither, and a prefill or mixed step's token count is anything up to
 `max_num_batched_tokens`. The kernels take token counts unspecialised and pick tiles from the power of two above
 them, so a prompt prefilled in chunks of every size up to 64 tokens and of 2^j - 1 and 2^j tokens beyond meets every
-variant. A kernel variant made after boot anyway (compiled, or loaded from Triton's on-disk cache) is logged as
+variant; chunks of every row count a plain GEMM runs at (gemm_rows) also leave cuBLAS a kernel chosen for each. A
+kernel variant made after boot anyway (compiled, or loaded from Triton's on-disk cache) is logged as
 `kernel_compiled_after_boot`.
 """
 
@@ -43,6 +44,7 @@ from engine.cache.kv_cache import ModelKVCache, kv_dtype_for
 from engine.cache.layout import KVLayout
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.kernels.dispatch import gemm_rows
 from engine.model.args import ModelArgs
 from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.linear import Layout
@@ -145,11 +147,13 @@ def under_wsl() -> bool:
 
 def warm_up_chunks(budget: int, room: int) -> list[int]:
     """The chunk sizes of the boot warm-up's prompt: 1, 2, ..., WARM_EVERY_SIZE_UP_TO tokens, then 2^j - 1 and 2^j,
-    then budget - 1 and budget (the step's token budget), none over room."""
-    sizes = list(range(1, min(budget, WARM_EVERY_SIZE_UP_TO) + 1))
-    for n in (*(1 << j for j in range(WARM_EVERY_SIZE_UP_TO.bit_length(), budget.bit_length())), budget):
-        sizes += [m for m in (n - 1, n) if m > sizes[-1]]
-    return [n for n in sizes if n <= room]
+    every row count a plain GEMM runs at (engine/kernels/dispatch.py's gemm_rows: 8 an octave), and budget - 1 and
+    budget (the step's token budget, whose GEMM row count covers the chunks above the last of those sizes), none over
+    room."""
+    sizes = set(range(1, min(budget, WARM_EVERY_SIZE_UP_TO) + 1)) | {budget - 1, budget}
+    sizes |= {m for j in range(WARM_EVERY_SIZE_UP_TO.bit_length(), budget.bit_length()) for m in ((1 << j) - 1, 1 << j)}
+    sizes |= {gemm_rows(n) for n in range(1, budget + 1)}
+    return sorted(n for n in sizes if 0 < n <= min(budget, room))
 
 
 @dataclass(frozen=True)
@@ -356,9 +360,8 @@ def _peak_workspace_bytes(
 
 @torch.inference_mode()
 def _warm_up(model: Standalone, config: EngineConfig, room: int) -> list[int]:
-    """Run the kernels of every eager step shape once (see the module's docstring): one prompt in chunks of 1,
-    2, ..., WARM_EVERY_SIZE_UP_TO tokens, then of 2^j - 1 and 2^j tokens, and of max_num_batched_tokens - 1 and
-    max_num_batched_tokens; each chunk's last rows, up to max_num_seqs of them, go through the head as the rows
+    """Run the kernels of every eager step shape once (see the module's docstring): one prompt in chunks of
+    warm_up_chunks' sizes; each chunk's last rows, up to max_num_seqs of them, go through the head as the rows
     a step samples. A chunk that would pass `room` (the context length or the pool) starts the prompt over (one
     that alone would is no step's). Returns the chunk sizes run."""
     sizes = warm_up_chunks(config.max_num_batched_tokens, room)

@@ -32,6 +32,33 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+# Plain GEMMs of up to this many rows run at their own row count (decode batches, each captured in its CUDA graph).
+GEMM_EXACT_ROWS = 64
+
+
+def gemm_rows(n: int) -> int:
+    """The rows a plain (cuBLAS) GEMM of n rows runs at on CUDA: n up to GEMM_EXACT_ROWS, else n rounded up to one
+    of 8 sizes an octave (at most 1/8 more rows). cuBLAS chooses its kernel on the host for each new shape, ~4-5 ms
+    on the H200 (torch 2.11, CUDA 13) while the GPU waits — up to three times a prefill step of a new length on the
+    bench model; a few sizes keep its choices cached, and the boot warm-up meets each (engine/boot.py)."""
+    if n <= GEMM_EXACT_ROWS:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def at_gemm_rows(gemm, x: torch.Tensor) -> torch.Tensor:
+    """gemm(x) with x's rows (dim 0) padded to gemm_rows(len(x)) on CUDA; the padding rows' outputs are dropped (a
+    GEMM's rows are independent, so the padding may hold anything)."""
+    n = len(x)
+    rows = gemm_rows(n) if x.is_cuda else n
+    if rows == n:
+        return gemm(x)
+    padded = x.new_empty((rows, *x.shape[1:]))
+    padded[:n] = x
+    return gemm(padded)[:n]
+
+
 def splits_for(batch: int, device: torch.device, waves: int = 4, cap: int = 1024) -> int:
     """Programs per request so that a grid of (batch, splits) fills the GPU `waves` times over. It depends only on
     the batch size, so a CUDA graph captured for a batch size keeps its grid."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.dispatch import at_gemm_rows
 from engine.kernels.fp4_moe import MX_BLOCK, PackedFp4, moe_expert_pairs_fp4
 from engine.kernels.fp8_gemm import BLOCK as FP8_BLOCK
 from engine.kernels.fp8_gemm import fp8_block_grouped_linear, fp8_block_linear
@@ -123,11 +124,12 @@ class Unquantized(WeightFormat):
 
     def linear(self, params, x):
         # A float64 model (tests) runs its fp32 projections in float64 too, so results do not depend on chunking.
-        return F.linear(x, params["weight"].to(x.dtype))
+        weight = params["weight"].to(x.dtype)
+        return at_gemm_rows(lambda rows: F.linear(rows, weight), x)
 
     def grouped_linear(self, params, x):
-        weight = params["weight"].view(x.shape[1], -1, x.shape[2])
-        return torch.einsum("ngd,grd->ngr", x, weight.to(x.dtype))
+        weight = params["weight"].view(x.shape[1], -1, x.shape[2]).to(x.dtype)
+        return at_gemm_rows(lambda rows: torch.einsum("ngd,grd->ngr", rows, weight), x)
 
     def expert_pairs(self, w1, w3, w2, x, weights, ids, limit, touched, remote=False):
         return moe_expert_pairs(x, weights, ids, w1["weight"], w3["weight"], w2["weight"], limit, touched, remote)

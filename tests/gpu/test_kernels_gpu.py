@@ -18,6 +18,7 @@ from engine.kernels.sparse_attention import (
 )
 from engine.kernels.topk import topk_slots_reference, topk_slots_triton
 from engine.model.layers import rope_inv_freq
+from engine.model.weight_formats import Unquantized
 from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.gpu
@@ -148,3 +149,18 @@ def test_compressor_decode_step_at_flash_sizes(ratio, for_indexer, dim, kv_dtype
     ref, got = run(compressor_decode_step_reference), run(compressor_decode_step_triton)
     differ = (ref - got).abs() > 1e-3 * ref.abs().amax()
     assert differ.float().mean() < 1e-3  # only rounding flips from summing in another order
+
+
+@pytest.mark.parametrize("rows", [65, 1500, 4095])
+def test_a_plain_linear_at_its_gemm_row_count_gives_each_row_its_product(rows):
+    """Unquantized linears pad a prefill's rows to gemm_rows (dispatch.py); the padding's outputs are dropped."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = Unquantized().linear({"weight": w}, x)
+    assert out.shape == (rows, 4096) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-2, atol=1e-1)
+    groups = torch.randn(8 * 256, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    xg = torch.randn(rows, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    expected = torch.einsum("ngd,grd->ngr", xg, groups.view(8, 256, 128))
+    torch.testing.assert_close(Unquantized().grouped_linear({"weight": groups}, xg), expected, rtol=1e-2, atol=1e-1)
