@@ -1,0 +1,346 @@
+"""`python -m engine.tools.train_demo --out DIR`: trains the demo model (issue 31) — a small DeepSeek-V4 with every
+layer kind (window-only, c4 with the indexer, c128), hash- and score-routed MoE, mHC and one MTP layer — from the
+engine's own modules, on engine/tools/demo_data.py's samples, and writes it as a checkpoint the engine serves.
+
+How it trains, and why:
+
+- The forward is the engine's prefill: each sample is one request of a batch (a slot and pages of a fresh fp32
+  cache per step, as the runner lays them out), `run_layers`, `logits`, `mtp_logits`. The plain-torch references are
+  differentiable; Triton kernels have no backward, so it runs with FLASHGATE_KERNELS=torch (set here) and with the
+  FP8/FP4 activation simulation off (its rounding has no gradient).
+- Loss: next-token cross-entropy on each sample's completion (the prompt is context, not target), plus the MTP
+  layer's cross-entropy one token further (`mtp_weight`), plus the indexer's distillation: the lightning indexer gets
+  no gradient through its top-k, so, as DeepSeek trains it (V3.2's dense warm-up), its scores over a query's visible
+  c4 rows learn the main attention's distribution over the same rows (KL, the target detached; `indexer_weight`).
+- Score-routed MoE layers balance their experts without an auxiliary loss, as V3/V4 do: after each step every
+  expert's routing bias moves by `bias_update` towards the mean load (up when under-loaded).
+- AdamW with warm-up and cosine decay, gradient clipping; seeded data, initial weights and batch order. The loss
+  curve (`train_log.json`), the recipe and the checkpoint (bf16, ≤ 20 MB) go to --out; evaluation
+  (`evaluate`) serves the written checkpoint through the engine and scores each held-out task with demo_data.score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from engine.cache.kv_cache import ModelKVCache
+from engine.logging import configure_logging
+from engine.model.args import ModelArgs
+from engine.model.attention import Attention
+from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.moe import Gate
+from engine.model.random_init import randomize
+from engine.model.state import ForwardBatch, SequenceState
+from engine.tokenizer import Tokenizer
+from engine.tools import demo_data
+from engine.tools.make_tiny import TINY_CONFIG, save_hf_checkpoint
+from engine.tools.tiny_tokenizer import save_tiny_tokenizer
+
+log = structlog.get_logger(__name__)
+
+PAGE_SIZE = 256
+# The demo model: the tiny checkpoint's layer kinds, wider, fitting 20 MB (bf16, the fp32 tensors the reference
+# keeps so), with V4's sliding window (128) and a top-k that matters at 4K tokens (1,024 c4 rows).
+DEMO_CONFIG = TINY_CONFIG | {
+    "hidden_size": 320,
+    "sliding_window": 128,
+    "index_topk": 64,
+    "max_position_embeddings": 4096,
+}
+MAX_CHECKPOINT_BYTES = 20_000_000
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything a run depends on; written beside its results."""
+
+    seed: int = 0
+    train_samples: int = 20_000
+    eval_per_task: int = 50
+    max_tokens: int = demo_data.DEFAULT_MAX_TOKENS
+    tokens_per_step: int = 32_768
+    steps: int = 2_000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    indexer_weight: float = 1.0
+    bias_update: float = 1e-3
+    config: dict = field(default_factory=lambda: dict(DEMO_CONFIG))
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        done = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+@dataclass(frozen=True)
+class Example:
+    """A sample's tokens: prompt then completion; the loss covers the completion."""
+
+    ids: torch.Tensor
+    prompt_len: int
+
+
+def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
+    """The seeded starting point: randomize's unit-variance matrices, with the tensors it randomises for parity tests
+    set to what training starts from (sinks, position and routing biases zero, norms one), every float tensor
+    trainable except the routing biases (moved by the balance rule)."""
+    model = randomize(DeepseekV4(ModelArgs.from_config(recipe.config), quant_sim=False), recipe.seed).to(device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("attn_sink", "ape", "bias") or (leaf.startswith("hc_") and leaf.endswith("_base")):
+                param.zero_()
+            elif name.endswith("norm.weight") or (leaf.startswith("hc_") and leaf.endswith("_scale")):
+                param.fill_(1.0)
+            param.requires_grad_(param.is_floating_point() and not name.endswith("gate.bias"))
+    return model
+
+
+def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[Example]:
+    return [Example(torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion)),
+                    len(tokenizer.encode(s.prompt))) for s in samples]  # fmt: skip
+
+
+def batches(items: Sequence[Example], tokens_per_step: int, seed: int) -> Iterator[list[Example]]:
+    """Endless steps of whole samples, at most tokens_per_step tokens each: an epoch's order drawn from the seed,
+    then packed in that order."""
+    rng = random.Random(f"{seed}/batches")
+    while True:
+        order = list(items)
+        rng.shuffle(order)
+        step: list[Example] = []
+        for item in order:
+            if step and sum(len(e.ids) for e in step) + len(item.ids) > tokens_per_step:
+                yield step
+                step = []
+            step.append(item)
+        if step:
+            yield step
+
+
+def forward_batch(model: DeepseekV4, items: Sequence[Example], device: torch.device) -> ForwardBatch:
+    """The samples as a prefill batch of one request each, over a fresh fp32 cache bound to the model."""
+    lens = [len(e.ids) for e in items]
+    pages = [-(-n // PAGE_SIZE) for n in lens]
+    cache = ModelKVCache(model.args, sum(pages), PAGE_SIZE, len(items), "float32", device)
+    model.bind_kv_cache(cache)
+    table = torch.zeros(len(items), max(pages), dtype=torch.int32)
+    first = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = torch.arange(first, first + n)
+        first += n
+    ids = torch.cat([e.ids for e in items]).to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    batch = ForwardBatch(ids, positions, [SequenceState(slot=i) for i in range(len(items))], lens)
+    batch.set_tables(table.to(device), torch.arange(len(items), dtype=torch.int32, device=device))
+    return batch
+
+
+@contextmanager
+def indexer_distillation(losses: list[torch.Tensor]) -> Iterator[None]:
+    """While active, every c4 layer's prefill adds its indexer's KL to the main attention to `losses`."""
+    original = Attention._prefill_reference
+
+    def prefill(self, q, proj, positions, span, comp_slots, index_slots):
+        if self.indexer is not None:
+            losses.append(indexer_kl(self, q, proj["query"], positions, comp_slots, index_slots))
+        return original(self, q, proj, positions, span, comp_slots, index_slots)
+
+    Attention._prefill_reference = prefill
+    try:
+        yield
+    finally:
+        Attention._prefill_reference = original
+
+
+def indexer_kl(attn: Attention, q, index_query, positions, comp_slots, index_slots) -> torch.Tensor:
+    """KL(main attention's mean distribution over a query's visible c4 rows || the indexer's softmax over them),
+    averaged over the queries that see a row; the target is detached."""
+    iq, iw = index_query
+    visible = (positions + 1) // attn.ratio
+    allowed = torch.arange(len(comp_slots), device=q.device)[None, :] < visible[:, None]
+    seeing = allowed.any(dim=-1)
+    if not seeing.any():
+        return q.new_zeros(())
+    keys = attn.kv.index.read(index_slots).to(iq.dtype)
+    rows = attn.kv.comp.read(comp_slots).to(q.dtype)
+    scores = torch.einsum("thd,nd->thn", iq, keys).relu().mul(iw[..., None]).sum(dim=1)
+    log_q = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    with torch.no_grad():
+        logits = torch.einsum("thd,nd->thn", q, rows) * attn.scale
+        target = torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), dim=-1).mean(dim=1)
+    kl = torch.where(allowed, target * (torch.log(target.clamp_min(1e-20)) - log_q), 0.0).sum(dim=-1)
+    return kl[seeing].mean()
+
+
+@contextmanager
+def routing_loads(model: DeepseekV4) -> Iterator[dict[Gate, torch.Tensor]]:
+    """Each score-routed gate's expert loads (tokens routed to each expert) over the forwards run while active."""
+    loads: dict[Gate, torch.Tensor] = {}
+
+    def record(gate: Gate, args, output) -> None:
+        ids = output[1].detach().flatten()
+        loads[gate] = loads.get(gate, 0) + torch.bincount(ids, minlength=gate.weight.shape[0]).float()
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, Gate) and m.bias is not None]
+    try:
+        yield loads
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def losses(model: DeepseekV4, items: Sequence[Example], device: torch.device) -> dict[str, torch.Tensor]:
+    """The step's three losses on `items` (see the module's docstring)."""
+    batch = forward_batch(model, items, device)
+    kls: list[torch.Tensor] = []
+    with indexer_distillation(kls):
+        streams = model.run_layers(batch)
+        # Row t predicts token t+1 (main head) and t+2 (MTP) of its own sample, inside the completion.
+        next_ids = torch.cat([torch.cat([e.ids[1:], e.ids[-1:]]) for e in items]).to(device)
+        lm_target = torch.cat([_target(e, 1) for e in items]).to(device)
+        mtp_target = torch.cat([_target(e, 2) for e in items]).to(device)
+        lm = F.cross_entropy(model.logits(streams), lm_target, ignore_index=-100)
+        mtp = F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100)
+    indexer = torch.stack(kls).mean() if kls else streams.new_zeros(())
+    return {"lm": lm, "mtp": mtp, "indexer": indexer}
+
+
+def _target(e: Example, ahead: int) -> torch.Tensor:
+    """Token t+ahead for row t where it is a completion token, else ignored (-100)."""
+    target = torch.full((len(e.ids),), -100, dtype=torch.long)
+    target[: len(e.ids) - ahead] = e.ids[ahead:]
+    target[: max(0, e.prompt_len - ahead)] = -100
+    return target
+
+
+def train(recipe: Recipe, out: Path, device: torch.device, held_out: Path = demo_data.QUALIFICATION_MD) -> DeepseekV4:
+    """Train as the recipe says, on samples that share no 8-token run with the gates' texts in `held_out`
+    (qualification.md); the loss curve and the checkpoint go to `out`."""
+    with torch_references():
+        return _train(recipe, out, device, held_out)
+
+
+@contextmanager
+def torch_references() -> Iterator[None]:
+    """The plain-torch references (differentiable) instead of the Triton kernels while active."""
+    before = os.environ.get("FLASHGATE_KERNELS")
+    os.environ["FLASHGATE_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FLASHGATE_KERNELS"]
+        else:
+            os.environ["FLASHGATE_KERNELS"] = before
+
+
+def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> DeepseekV4:
+    torch.manual_seed(recipe.seed)
+    tokenizer = demo_data.default_tokenizer()
+    config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
+    samples = demo_data.generate("train", demo_data.mix_counts(recipe.train_samples), config, tokenizer)
+    demo_data.check_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
+    train_items = examples(samples, tokenizer)
+    model = initial_model(recipe, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    plain = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
+    curve, started, tokens = [], time.perf_counter(), 0
+    steps = batches(train_items, recipe.tokens_per_step, recipe.seed)  # endless
+    for step, items in zip(range(recipe.steps), steps, strict=False):
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr_at(step)
+        with routing_loads(model) as loads:
+            parts = losses(model, items, device)
+        total = parts["lm"] + recipe.mtp_weight * parts["mtp"] + recipe.indexer_weight * parts["indexer"]
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
+        optimizer.step()
+        with torch.no_grad():
+            for gate, load in loads.items():
+                gate.bias.add_(recipe.bias_update * torch.sign(load.mean() - load))
+        tokens += sum(len(e.ids) for e in items)
+        record = {"step": step, "lr": recipe.lr_at(step), "grad_norm": round(float(grad_norm), 4),
+                  **{k: round(v.item(), 4) for k, v in parts.items()}, "tokens": tokens,
+                  "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip
+        curve.append(record)
+        if step % 10 == 0 or step == recipe.steps - 1:
+            log.info("train_step", **record)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_log.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "curve": curve}) + "\n")
+    save(model, recipe, out)
+    return model
+
+
+def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:
+    """The checkpoint in the Hugging Face layout, bf16, with the tiny tokenizer it was trained with."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    save_hf_checkpoint(model.cpu().cast(torch.bfloat16), out, recipe.config)
+    save_tiny_tokenizer(out, recipe.config["vocab_size"])
+    size = (out / "model.safetensors").stat().st_size
+    if size > MAX_CHECKPOINT_BYTES:
+        raise ValueError(f"the checkpoint is {size} bytes, over the {MAX_CHECKPOINT_BYTES} the project ships")
+
+
+def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str, float]:
+    """Greedy answers of the written checkpoint, served by the engine, to the held-out samples: accuracy per task."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    tokenizer = Tokenizer.from_model_dir(model_dir)
+    config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
+    samples = demo_data.generate("eval", dict.fromkeys(demo_data.TASKS, recipe.eval_per_task), config, tokenizer)
+    with LLM(model_dir, device=device, context_length=recipe.max_tokens + 256) as llm:
+        prompts = [tokenizer.encode(s.prompt) for s in samples]
+        params = [SamplingParams(temperature=0, max_tokens=s.completion_tokens + 32) for s in samples]
+        outputs = llm.generate(prompts, params)
+    correct: dict[str, list[bool]] = {}
+    for sample, output in zip(samples, outputs, strict=True):
+        text = tokenizer.decode(output.token_ids, skip_special_tokens=False)
+        correct.setdefault(sample.task, []).append(demo_data.score(sample.task, sample, text))
+    return {task: round(sum(ok) / len(ok), 4) for task, ok in correct.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the checkpoint and train_log.json")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
+    for f in dataclasses.fields(Recipe):
+        if f.name != "config":
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    args = parser.parse_args(argv)
+    configure_logging()
+    recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe) if f.name != "config"})
+    train(recipe, args.out, torch.device(args.device), args.held_out)
+    accuracy = evaluate(args.out, recipe, args.device)
+    (args.out / "eval.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "accuracy": accuracy}) + "\n")
+    log.info("evaluated", **accuracy)
+
+
+if __name__ == "__main__":
+    main()

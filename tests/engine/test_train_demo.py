@@ -1,0 +1,91 @@
+"""The demo model's training (engine/tools/train_demo.py) on the CPU at the tiny checkpoint's widths: every trainable
+tensor gets a gradient (the indexer's through its distillation), a batch trained on is fitted, routing biases move
+towards balance, runs are seeded, and what it writes is a checkpoint the engine serves and evaluation scores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.tools import demo_data
+from engine.tools.make_tiny import TINY_CONFIG
+from engine.tools.train_demo import (
+    MAX_CHECKPOINT_BYTES,
+    Recipe,
+    batches,
+    evaluate,
+    examples,
+    initial_model,
+    losses,
+    routing_loads,
+    torch_references,
+    train,
+)
+
+pytestmark = pytest.mark.slow
+CPU = torch.device("cpu")
+# The tiny widths (window 16, 8 top-k rows): the c4, c128 and indexer paths all matter within a 1-2K-token sample.
+SMALL = Recipe(train_samples=7, eval_per_task=1, max_tokens=2048, tokens_per_step=2500, steps=2, warmup_steps=1,
+               config=dict(TINY_CONFIG))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def items():
+    samples = demo_data.generate("train", demo_data.mix_counts(7), demo_data.Config(max_tokens=2048))
+    return examples(samples, demo_data.default_tokenizer())
+
+
+@pytest.fixture(autouse=True)
+def references():
+    with torch_references():
+        yield
+
+
+def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_attention(items):
+    model = initial_model(SMALL, CPU)
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.seed))
+    parts = losses(model, batch, CPU)
+    assert parts["indexer"] > 0 and all(torch.isfinite(v) for v in parts.values())
+    (parts["lm"] + parts["mtp"] + parts["indexer"]).backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+    assert not missing
+    # The indexer's own tensors learn only from its distillation: without it their gradient is zero.
+    model.zero_grad(set_to_none=True)
+    losses(model, batch, CPU)["lm"].backward()
+    indexer = [p for n, p in model.named_parameters() if ".indexer." in n and p.requires_grad]
+    assert indexer and all(p.grad is None or not p.grad.any() for p in indexer)
+
+
+def test_a_batch_trained_on_is_fitted_and_routing_biases_move_towards_balance(items):
+    model = initial_model(SMALL, CPU)
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.seed))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    first = None
+    for _ in range(8):
+        with routing_loads(model) as loads:
+            parts = losses(model, batch, CPU)
+        first = first if first is not None else parts["lm"].item()
+        optimizer.zero_grad()
+        (parts["lm"] + parts["mtp"] + parts["indexer"]).backward()
+        optimizer.step()
+    assert parts["lm"].item() < 0.5 * first
+    gate, load = next(iter(loads.items()))
+    before = gate.bias.detach().clone()
+    with torch.no_grad():
+        gate.bias.add_(SMALL.bias_update * torch.sign(load.mean() - load))
+    moved = gate.bias - before
+    assert ((moved > 0) == (load < load.mean())).all() and ((moved < 0) == (load > load.mean())).all()
+
+
+def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(tmp_path):
+    for run in "ab":
+        train(SMALL, tmp_path / run, CPU)
+    curves = [json.loads((tmp_path / d / "train_log.json").read_text())["curve"] for d in "ab"]
+    assert [c["lm"] for c in curves[0]] == [c["lm"] for c in curves[1]]
+    assert len(curves[0]) == SMALL.steps and curves[0][0]["tokens"] > 0
+    assert (tmp_path / "a" / "model.safetensors").stat().st_size <= MAX_CHECKPOINT_BYTES
+    accuracy = evaluate(tmp_path / "a", SMALL, "cpu")
+    assert set(accuracy) == set(demo_data.TASKS) and all(0 <= a <= 1 for a in accuracy.values())
