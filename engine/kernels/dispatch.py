@@ -48,13 +48,14 @@ def gemm_rows(n: int) -> int:
 
 
 def at_gemm_rows(gemm, x: torch.Tensor) -> torch.Tensor:
-    """gemm(x) with x's rows (dim 0) padded to gemm_rows(len(x)) on CUDA; the padding rows' outputs are dropped (a
-    GEMM's rows are independent, so the padding may hold anything)."""
+    """gemm(x) with x's rows (dim 0) padded with zero rows to gemm_rows(len(x)) on CUDA, whose outputs are dropped.
+    Zeros, not whatever memory held: a backward pass (the demo model's training) sums every row into the weight's
+    gradient, each padding row times a zero gradient, and NaN or inf there would make it NaN."""
     n = len(x)
     rows = gemm_rows(n) if x.is_cuda else n
     if rows == n:
         return gemm(x)
-    padded = x.new_empty((rows, *x.shape[1:]))
+    padded = x.new_zeros((rows, *x.shape[1:]))
     padded[:n] = x
     return gemm(padded)[:n]
 

@@ -278,6 +278,9 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
+        if not torch.isfinite(grad_norm):  # stop with the curve so far rather than train on NaN
+            _write_log(out, recipe, curve)
+            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm.item()} (losses {parts})")
         optimizer.step()
         with torch.no_grad():
             for gate, load in loads.items():
@@ -289,10 +292,14 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
         curve.append(record)
         if step % 10 == 0 or step == recipe.steps - 1:
             log.info("train_step", **record)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_log.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "curve": curve}) + "\n")
+    _write_log(out, recipe, curve)
     save(model, recipe, out)
     return model
+
+
+def _write_log(out: Path, recipe: Recipe, curve: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_log.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "curve": curve}) + "\n")
 
 
 def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:

@@ -153,7 +153,8 @@ def test_compressor_decode_step_at_flash_sizes(ratio, for_indexer, dim, kv_dtype
 
 @pytest.mark.parametrize("rows", [65, 1500, 4095])
 def test_a_plain_linear_at_its_gemm_row_count_gives_each_row_its_product(rows):
-    """Unquantized linears pad a prefill's rows to gemm_rows (dispatch.py); the padding's outputs are dropped."""
+    """Unquantized linears pad a prefill's rows to gemm_rows (dispatch.py) with zero rows, whose outputs are
+    dropped."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -164,3 +165,10 @@ def test_a_plain_linear_at_its_gemm_row_count_gives_each_row_its_product(rows):
     xg = torch.randn(rows, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     expected = torch.einsum("ngd,grd->ngr", xg, groups.view(8, 256, 128))
     torch.testing.assert_close(Unquantized().grouped_linear({"weight": groups}, xg), expected, rtol=1e-2, atol=1e-1)
+    # Backward (the demo model's training): the padding rows add nothing to the weight's gradient.
+    x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
+    Unquantized().linear({"weight": w32}, x32).square().sum().backward()
+    padded_grad = w32.grad.clone()
+    w32.grad = None
+    torch.nn.functional.linear(x32, w32).square().sum().backward()
+    torch.testing.assert_close(padded_grad, w32.grad, rtol=1e-4, atol=1e-2)
