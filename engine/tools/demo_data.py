@@ -545,8 +545,8 @@ class Config:
 
 
 def default_tokenizer() -> Tokenizer:
-    """The tiny checkpoint's tokenizer, which the demo model is trained with."""
-    return Tokenizer(build_tiny_tokenizer())
+    """The demo model's tokenizer: the tiny checkpoint's, with every digit a token of its own."""
+    return Tokenizer(build_tiny_tokenizer(split_digits=True))
 
 
 def render(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None, thinking: bool) -> str:

@@ -118,8 +118,11 @@ Emoji: 😀 😂 🎉 🚀 👍 ❤️ 🔥 ✨ 🤖 🌍 👨‍👩‍👧 �
 """
 
 
-def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
-    """Ids: the DeepSeek-V4 tokens, then the 256 byte tokens in byte order, then the merges learned on CORPUS."""
+def build_tiny_tokenizer(vocab_size: int = 1024, split_digits: bool = False) -> Tokenizer:
+    """Ids: the DeepSeek-V4 tokens, then the 256 byte tokens in byte order, then the merges learned on CORPUS. With
+    `split_digits` (the demo model's tokenizer) every digit is a token of its own, as in DeepSeek's tokenizers: a
+    number's tokens then are its digits, the same in every number, which arithmetic needs (the tiny tokenizer merges
+    some digit pairs and triples, so a number splits by which of them it happens to hold)."""
     num_merges = vocab_size - len(DSV4_TOKENS) - 256
     if num_merges < 0:
         raise ValueError(f"vocab_size must be at least {len(DSV4_TOKENS) + 256}, got {vocab_size}")
@@ -127,7 +130,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     # Learn the merges first, then lay the ids out ourselves: the trainer would number the bytes by character and
     # could only add every DeepSeek token as special.
     trainee = Tokenizer(models.BPE())
-    trainee.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainee.pre_tokenizer = _pre_tokenizer(split_digits)
     trainer = trainers.BpeTrainer(
         vocab_size=256 + num_merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
@@ -138,7 +141,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
 
     tokens = [token for token, _ in DSV4_TOKENS] + byte_level_chars() + [left + right for left, right in merges]
     tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = _pre_tokenizer(split_digits)
     tokenizer.decoder = decoders.ByteLevel()
     # Already in the vocabulary, so they keep their ids; as added tokens they match whole inside any text.
     tokenizer.add_special_tokens(
@@ -150,11 +153,18 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     return tokenizer
 
 
-def save_tiny_tokenizer(out_dir: Path, vocab_size: int = 1024) -> None:
+def _pre_tokenizer(split_digits: bool) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if not split_digits:
+        return byte_level
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+
+
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int = 1024, split_digits: bool = False) -> None:
     """Write `tokenizer.json` and a `tokenizer_config.json` that `transformers.AutoTokenizer` can load."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer(vocab_size).save(str(out_dir / "tokenizer.json"))
+    build_tiny_tokenizer(vocab_size, split_digits).save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,

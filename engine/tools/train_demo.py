@@ -303,11 +303,11 @@ def _write_log(out: Path, recipe: Recipe, curve: list[dict]) -> None:
 
 
 def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:
-    """The checkpoint in the Hugging Face layout, bf16, with the tiny tokenizer it was trained with."""
+    """The checkpoint in the Hugging Face layout, bf16, with the tokenizer it was trained with (demo_data's)."""
     for param in model.parameters():
         param.requires_grad_(False)
     save_hf_checkpoint(model.cpu().cast(torch.bfloat16), out, recipe.config)
-    save_tiny_tokenizer(out, recipe.config["vocab_size"])
+    save_tiny_tokenizer(out, recipe.config["vocab_size"], split_digits=True)
     size = (out / "model.safetensors").stat().st_size
     if size > MAX_CHECKPOINT_BYTES:
         raise ValueError(f"the checkpoint is {size} bytes, over the {MAX_CHECKPOINT_BYTES} the project ships")

@@ -245,3 +245,14 @@ def test_added_tokens_that_strip_whitespace_leave_the_text_encoded_whole(model_d
     assert SegmentCache.for_tokenizer(stripping) is None
     text = "a  <｜pad｜> b" + SPECIAL[2]
     assert Tokenizer(stripping).encode(text) == stripping.encode(text, add_special_tokens=False).ids
+
+
+def test_the_demo_tokenizer_makes_every_digit_a_token_and_keeps_the_rest():
+    """split_digits (the demo model's): a number's tokens are its digits, whatever digit runs the tiny one merges."""
+    demo, tiny = Tokenizer(build_tiny_tokenizer(split_digits=True)), Tokenizer(build_tiny_tokenizer())
+    text = "<think>718 + 12 = 730</think>The code is 40962."
+    pieces = [demo.decode([i], skip_special_tokens=False) for i in demo.encode(text)]
+    assert [p for p in pieces if p.strip().isdigit()] == list("718127304096" + "2")
+    assert len(tiny.encode("718")) < 3  # the tiny tokenizer merges digits
+    assert demo.decode(demo.encode(text), skip_special_tokens=False) == text
+    assert demo.vocab_size == tiny.vocab_size and demo.token_id("</think>") == tiny.token_id("</think>")
