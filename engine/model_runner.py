@@ -147,8 +147,9 @@ class _Planner:
                 plan.table_at += range(state.slot * self.width + uploaded, state.slot * self.width + len(pages))
                 plan.table_pages += pages[uploaded:]
                 self.uploaded[state.slot] = len(pages)
-            cuts = [start, *sorted(at for at, _ in item.splits), start + n]
-            for row, (_, snapshot) in enumerate(sorted(item.splits), start=len(plan.lens)):
+            splits = sorted(item.splits)
+            cuts = [start, *(at for at, _ in splits), start + n]
+            for row, (_, snapshot) in enumerate(splits, start=len(plan.lens)):
                 plan.snapshots_after.append((row, state.slot, snapshot))
             plan.slots += [state.slot] * (len(cuts) - 1)
             plan.lens += [b - a for a, b in zip(cuts, cuts[1:], strict=False)]

@@ -196,9 +196,10 @@ class Scheduler:
         start, end = seq.num_computed, seq.num_computed + n
         if not self.blocks.caching:
             return work
-        for at in sorted(b for b in self._boundaries(seq) if start < b <= end):
+        boundaries = self._boundaries(seq)
+        for at in sorted(b for b in boundaries if start < b <= end):
             self._prompt_snapshot(work, at)
-        if end % self.blocks.page_size or end == 0 or end in self._boundaries(seq):
+        if end % self.blocks.page_size or end == 0 or end in boundaries:
             return work
         if end >= len(seq.prompt_ids):  # the prompt's end, or a page of output: the request's one output snapshot
             if seq.output_snapshot is None:
