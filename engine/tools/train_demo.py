@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.kv_cache import ModelKVCache
+from engine.llm import LLM
 from engine.logging import configure_logging
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
@@ -45,6 +46,7 @@ from engine.model.deepseek_v4 import DeepseekV4
 from engine.model.moe import Gate
 from engine.model.random_init import randomize
 from engine.model.state import ForwardBatch, SequenceState
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tools import demo_data
 from engine.tools.make_tiny import TINY_CONFIG, save_hf_checkpoint
@@ -116,8 +118,8 @@ def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
 
 
 def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[Example]:
-    return [Example(torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion)),
-                    len(tokenizer.encode(s.prompt))) for s in samples]  # fmt: skip
+    return [Example(torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion)), s.prompt_tokens)
+            for s in samples]  # fmt: skip
 
 
 def batches(items: Sequence[Example], tokens_per_step: int, seed: int) -> Iterator[list[Example]]:
@@ -128,11 +130,13 @@ def batches(items: Sequence[Example], tokens_per_step: int, seed: int) -> Iterat
         order = list(items)
         rng.shuffle(order)
         step: list[Example] = []
+        held = 0
         for item in order:
-            if step and sum(len(e.ids) for e in step) + len(item.ids) > tokens_per_step:
+            if step and held + len(item.ids) > tokens_per_step:
                 yield step
-                step = []
+                step, held = [], 0
             step.append(item)
+            held += len(item.ids)
         if step:
             yield step
 
@@ -209,6 +213,14 @@ def routing_loads(model: DeepseekV4) -> Iterator[dict[Gate, torch.Tensor]]:
             hook.remove()
 
 
+@torch.no_grad()
+def balance_routing(loads: dict[Gate, torch.Tensor], rate: float) -> None:
+    """Aux-loss-free balancing: each expert's routing bias moves by `rate` towards the mean load (up when
+    under-loaded)."""
+    for gate, load in loads.items():
+        gate.bias.add_(rate * torch.sign(load.mean() - load))
+
+
 def losses(model: DeepseekV4, items: Sequence[Example], device: torch.device) -> dict[str, torch.Tensor]:
     """The step's three losses on `items` (see the module's docstring)."""
     batch = forward_batch(model, items, device)
@@ -282,9 +294,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
             _write_log(out, recipe, curve)
             raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm.item()} (losses {parts})")
         optimizer.step()
-        with torch.no_grad():
-            for gate, load in loads.items():
-                gate.bias.add_(recipe.bias_update * torch.sign(load.mean() - load))
+        balance_routing(loads, recipe.bias_update)
         tokens += sum(len(e.ids) for e in items)
         record = {"step": step, "lr": recipe.lr_at(step), "grad_norm": round(float(grad_norm), 4),
                   **{k: round(v.item(), 4) for k, v in parts.items()}, "tokens": tokens,
@@ -315,9 +325,6 @@ def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:
 
 def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str, float]:
     """Greedy answers of the written checkpoint, served by the engine, to the held-out samples: accuracy per task."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-
     tokenizer = Tokenizer.from_model_dir(model_dir)
     config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("eval", dict.fromkeys(demo_data.TASKS, recipe.eval_per_task), config, tokenizer)
