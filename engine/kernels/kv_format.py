@@ -43,8 +43,8 @@ def index_row_bytes(dim: int) -> int:
 
 def read_main_rows(storage: torch.Tensor, slots: torch.Tensor, rows_per_page: int, head_dim: int, rope_dim: int):
     """Rows at physical `slots` of main-row storage (plain rows, or fp8 pages when the storage is bytes), fp32."""
-    if storage.dtype != torch.uint8:
-        return storage[slots.long()].float()
+    if storage.dtype != torch.uint8:  # index_select: its backward (training's) adds, advanced indexing's sorts
+        return storage.index_select(0, slots.long()).float()
     nope, data_bytes = head_dim - rope_dim, main_data_bytes(head_dim, rope_dim)
     slots = slots.long()
     page, row = slots // rows_per_page, slots % rows_per_page
@@ -83,6 +83,8 @@ def write_index_keys(storage: torch.Tensor, slots: torch.Tensor, keys: torch.Ten
 
 
 def read_index_keys(storage: torch.Tensor, slots: torch.Tensor, dim: int) -> torch.Tensor:
+    if storage.dtype != torch.uint8:  # rows in slot order, [pages * INDEX_ROWS, dim]; as read_main_rows
+        return storage.index_select(0, slots.long()).float()
     page, row = slots.long() // INDEX_ROWS, slots.long() % INDEX_ROWS
     keys = index_values(storage, dim)[page, row].float()
     scales = index_scales(storage, dim)

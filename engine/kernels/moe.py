@@ -433,13 +433,17 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None,
     n, top_k = ids.shape
     out = torch.zeros(n * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     flat, flat_weights = ids.reshape(-1), weights.reshape(-1)
-    experts = [e for e in torch.unique(flat).tolist() if e < len(w1)]
+    # Pairs grouped by expert with one sort and one host read of the counts (not a sync per expert); the gathers are
+    # index_select, whose backward (training's) adds where advanced indexing's sorts.
+    counts = torch.bincount(flat, minlength=len(w1) + 1).tolist()
+    by_expert = torch.argsort(flat, stable=True).split(counts)
+    experts = [e for e in range(len(w1)) if counts[e]]
     if touched is not None:
         touched += len(experts)
     for e in experts:
-        pair = torch.where(flat == e)[0]
-        xe = x[pair // top_k]
-        h = swiglu(wide(xe @ w1[e].T), wide(xe @ w3[e].T), limit) * flat_weights[pair, None]
+        pair = by_expert[e]
+        xe = x.index_select(0, pair // top_k)
+        h = swiglu(wide(xe @ w1[e].T), wide(xe @ w3[e].T), limit) * flat_weights.index_select(0, pair)[:, None]
         out[pair] = h.to(x.dtype) @ w2[e].T
     return out
 

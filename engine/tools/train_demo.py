@@ -4,8 +4,11 @@ engine's own modules, on engine/tools/demo_data.py's samples, and writes it as a
 
 How it trains, and why:
 
-- The forward is the engine's prefill: each sample is one request of a batch (a slot and pages of a fresh fp32
-  cache per step, as the runner lays them out), `run_layers`, `logits`, `mtp_logits`. The plain-torch references are
+- The forward is the engine's prefill: samples are packed one after another into rows of at most max_tokens, each
+  row one request of a batch (a slot and pages of a fresh fp32 cache per step, as the runner lays them out),
+  `run_layers`, `logits`, `mtp_logits`. The references' work is launched per request and per layer, so a request per
+  sample (most are a few hundred tokens) made the step launch-bound; a sample sees the ones before it in its row,
+  as in packed pretraining, and each starts with BOS. The plain-torch references are
   differentiable; Triton kernels have no backward, so it runs with FLASHGATE_KERNELS=torch (set here) and with the
   FP8/FP4 activation simulation off (its rounding has no gradient).
 - Loss: next-token cross-entropy on each sample's completion (the prompt is context, not target), plus the MTP
@@ -101,6 +104,10 @@ class Example:
     prompt_len: int
 
 
+# Samples packed one after another into one sequence (one request of the prefill batch).
+Row = tuple[Example, ...]
+
+
 def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
     """The seeded starting point: randomize's unit-variance matrices, with the tensors it randomises for parity tests
     set to what training starts from (sinks, position and routing biases zero, norms one), every float tensor
@@ -122,40 +129,48 @@ def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[
             for s in samples]  # fmt: skip
 
 
-def batches(items: Sequence[Example], tokens_per_step: int, seed: int) -> Iterator[list[Example]]:
-    """Endless steps of whole samples, at most tokens_per_step tokens each: an epoch's order drawn from the seed,
-    then packed in that order."""
+def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, seed: int) -> Iterator[list[Row]]:
+    """Endless steps of rows: an epoch's order drawn from the seed, each sample in turn put into the first of the
+    step's rows with room for it (a row holds at most row_tokens), a new row opened while the step holds fewer than
+    tokens_per_step // row_tokens, else the step is done and the sample starts the next."""
     rng = random.Random(f"{seed}/batches")
+    most_rows = max(1, tokens_per_step // row_tokens)
     while True:
         order = list(items)
         rng.shuffle(order)
-        step: list[Example] = []
-        held = 0
+        rows: list[list[Example]] = []
+        held: list[int] = []
         for item in order:
-            if step and held + len(item.ids) > tokens_per_step:
-                yield step
-                step, held = [], 0
-            step.append(item)
-            held += len(item.ids)
-        if step:
-            yield step
+            n = len(item.ids)
+            room = next((r for r, h in enumerate(held) if h + n <= row_tokens), None)
+            if room is None and len(rows) == most_rows:
+                yield [tuple(row) for row in rows]
+                rows, held = [], []
+            if room is None:
+                rows.append([])
+                held.append(0)
+                room = len(rows) - 1
+            rows[room].append(item)
+            held[room] += n
+        if rows:
+            yield [tuple(row) for row in rows]
 
 
-def forward_batch(model: DeepseekV4, items: Sequence[Example], device: torch.device) -> ForwardBatch:
-    """The samples as a prefill batch of one request each, over a fresh fp32 cache bound to the model."""
-    lens = [len(e.ids) for e in items]
+def forward_batch(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> ForwardBatch:
+    """The rows as a prefill batch of one request each, over a fresh fp32 cache bound to the model."""
+    lens = [sum(len(e.ids) for e in row) for row in rows]
     pages = [-(-n // PAGE_SIZE) for n in lens]
-    cache = ModelKVCache(model.args, sum(pages), PAGE_SIZE, len(items), "float32", device)
+    cache = ModelKVCache(model.args, sum(pages), PAGE_SIZE, len(rows), "float32", device)
     model.bind_kv_cache(cache)
-    table = torch.zeros(len(items), max(pages), dtype=torch.int32)
+    table = torch.zeros(len(rows), max(pages), dtype=torch.int32)
     first = 0
     for i, n in enumerate(pages):
         table[i, :n] = torch.arange(first, first + n)
         first += n
-    ids = torch.cat([e.ids for e in items]).to(device)
+    ids = torch.cat([e.ids for row in rows for e in row]).to(device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    batch = ForwardBatch(ids, positions, [SequenceState(slot=i) for i in range(len(items))], lens)
-    batch.set_tables(table.to(device), torch.arange(len(items), dtype=torch.int32, device=device))
+    batch = ForwardBatch(ids, positions, [SequenceState(slot=i) for i in range(len(rows))], lens)
+    batch.set_tables(table.to(device), torch.arange(len(rows), dtype=torch.int32, device=device))
     return batch
 
 
@@ -221,28 +236,30 @@ def balance_routing(loads: dict[Gate, torch.Tensor], rate: float) -> None:
         gate.bias.add_(rate * torch.sign(load.mean() - load))
 
 
-def losses(model: DeepseekV4, items: Sequence[Example], device: torch.device) -> dict[str, torch.Tensor]:
-    """The step's three losses on `items` (see the module's docstring)."""
-    batch = forward_batch(model, items, device)
+def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> dict[str, torch.Tensor]:
+    """The step's three losses on `rows` (see the module's docstring)."""
+    batch = forward_batch(model, rows, device)
+    items = [e for row in rows for e in row]
     kls: list[torch.Tensor] = []
     with indexer_distillation(kls):
         streams = model.run_layers(batch)
         # Row t predicts token t+1 (main head) and t+2 (MTP) of its own sample, inside the completion.
         next_ids = torch.cat([torch.cat([e.ids[1:], e.ids[-1:]]) for e in items]).to(device)
-        lm_target = torch.cat([_target(e, 1) for e in items]).to(device)
-        mtp_target = torch.cat([_target(e, 2) for e in items]).to(device)
+        lm_target = torch.tensor([t for e in items for t in _target(e, 1)], device=device)
+        mtp_target = torch.tensor([t for e in items for t in _target(e, 2)], device=device)
         lm = F.cross_entropy(model.logits(streams), lm_target, ignore_index=-100)
         mtp = F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100)
     indexer = torch.stack(kls).mean() if kls else streams.new_zeros(())
     return {"lm": lm, "mtp": mtp, "indexer": indexer}
 
 
-def _target(e: Example, ahead: int) -> torch.Tensor:
-    """Token t+ahead for row t where it is a completion token, else ignored (-100)."""
-    target = torch.full((len(e.ids),), -100, dtype=torch.long)
-    target[: len(e.ids) - ahead] = e.ids[ahead:]
-    target[: max(0, e.prompt_len - ahead)] = -100
-    return target
+def _target(e: Example, ahead: int) -> list[int]:
+    """Token t+ahead for row t where it is a completion token, else ignored (-100). Lists, not tensor ops: a step
+    has a few hundred samples."""
+    ids = e.ids.tolist()
+    start = min(len(ids), max(0, e.prompt_len - ahead))
+    body = ids[start + ahead :]
+    return [-100] * start + body + [-100] * (len(ids) - start - len(body))
 
 
 def train(recipe: Recipe, out: Path, device: torch.device, held_out: Path = demo_data.QUALIFICATION_MD) -> DeepseekV4:
@@ -280,12 +297,12 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
     groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
     curve, started, tokens = [], time.perf_counter(), 0
-    steps = batches(train_items, recipe.tokens_per_step, recipe.seed)  # endless
-    for step, items in zip(range(recipe.steps), steps, strict=False):
+    steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.seed)  # endless
+    for step, rows in zip(range(recipe.steps), steps, strict=False):
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr_at(step)
         with routing_loads(model) as loads:
-            parts = losses(model, items, device)
+            parts = losses(model, rows, device)
         total = parts["lm"] + recipe.mtp_weight * parts["mtp"] + recipe.indexer_weight * parts["indexer"]
         optimizer.zero_grad(set_to_none=True)
         total.backward()
@@ -295,7 +312,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
             raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm.item()} (losses {parts})")
         optimizer.step()
         balance_routing(loads, recipe.bias_update)
-        tokens += sum(len(e.ids) for e in items)
+        tokens += sum(len(e.ids) for row in rows for e in row)
         record = {"step": step, "lr": recipe.lr_at(step), "grad_norm": round(float(grad_norm), 4),
                   **{k: round(v.item(), 4) for k, v in parts.items()}, "tokens": tokens,
                   "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip

@@ -46,7 +46,7 @@ def references():
 
 def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_attention(items):
     model = initial_model(SMALL, CPU)
-    batch = next(batches(items, SMALL.tokens_per_step, SMALL.seed))
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.max_tokens, SMALL.seed))
     parts = losses(model, batch, CPU)
     assert parts["indexer"] > 0 and all(torch.isfinite(v) for v in parts.values())
     (parts["lm"] + parts["mtp"] + parts["indexer"]).backward()
@@ -61,7 +61,7 @@ def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_
 
 def test_a_batch_trained_on_is_fitted_and_routing_biases_move_towards_balance(items):
     model = initial_model(SMALL, CPU)
-    batch = next(batches(items, SMALL.tokens_per_step, SMALL.seed))
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.max_tokens, SMALL.seed))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     first = None
@@ -89,3 +89,15 @@ def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").stat().st_size <= MAX_CHECKPOINT_BYTES
     accuracy = evaluate(tmp_path / "a", SMALL, "cpu")
     assert set(accuracy) == set(demo_data.TASKS) and all(0 <= a <= 1 for a in accuracy.values())
+
+
+def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(items):
+    row_tokens, tokens_per_step = 1200, 2500  # two rows a step
+    epoch = sum(len(e.ids) for e in items)
+    seen, steps = [], batches(items, tokens_per_step, row_tokens, seed=3)
+    while sum(len(e.ids) for e in seen) < epoch:
+        rows = next(steps)
+        assert 1 <= len(rows) <= tokens_per_step // row_tokens
+        assert all(sum(len(e.ids) for e in row) <= row_tokens for row in rows if len(row) > 1)
+        seen += [e for row in rows for e in row]
+    assert sorted(map(id, seen)) == sorted(map(id, items))
