@@ -155,6 +155,10 @@ class Bank:
     questions: tuple[str, ...]  # {kind}
     code_kinds: tuple[str, ...]
     code_words: tuple[str, ...]
+    # The fraction of open-vocabulary draws (names, keys, values, words to echo, noise around a question) that are
+    # made-up words instead of the lists': a model that has seen only a list recalls from it where it should copy
+    # from the prompt (the first run answered "yes" to "Type PING"); made-up words leave copying the only way.
+    novel: float = 0.0
 
     def templates(self) -> dict[str, str]:
         """Every prompt template by id: what the train/eval disjointness is about."""
@@ -354,6 +358,7 @@ TRAIN = Bank(
     ),
     code_kinds=("vault", "access", "door", "backup", "entry"),
     code_words=("FALCON", "MAPLE", "COBALT", "RIVER", "TIGER", "AMBER", "NOVA", "ORBIT", "CRANE", "LOTUS"),
+    novel=0.5,
 )
 
 EVAL = Bank(
@@ -635,6 +640,35 @@ def _sample(sample_id: str, task: str, rng: random.Random, bank: Bank, config: C
     )
 
 
+_ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "pl",
+           "st", "tr", "sh", "ch")  # fmt: skip
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
+
+
+def novel_word(rng: random.Random, shape: str = "word") -> str:
+    """A made-up word of 1-3 syllables in one of the shapes a slot takes: "name" (an identifier, maybe two words
+    joined by _), "value" (lower, capitalised or two words), "exact" (any case, maybe with digits), "code" (upper)."""
+
+    def one() -> str:
+        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
+        return word + (rng.choice("nrstlkm") if rng.random() < 0.5 else "")
+
+    roll = rng.random()
+    if shape == "name":
+        return f"{one()}_{one()}" if roll < 0.4 else one()
+    if shape == "code":
+        return one().upper()
+    if shape == "value":
+        return one().capitalize() if roll < 0.4 else f"{one()} {one()}" if roll < 0.6 else one()
+    if roll < 0.35:
+        return one().upper()
+    if roll < 0.55:
+        return one().capitalize()
+    if roll < 0.7:
+        return f"{one().upper()}{rng.randint(1, 99)}"
+    return f"{one()} {one()}" if roll < 0.8 else one()
+
+
 @dataclass
 class _Draw:
     """A sample's random source and the bank it draws from."""
@@ -649,6 +683,25 @@ class _Draw:
         """A random template and its id."""
         index = self.rng.randrange(len(templates))
         return f"{self.bank.split}.{group}.{index}", templates[index]
+
+    def word(self, pool: Sequence[str], shape: str = "word") -> str:
+        """One of `pool`, or, in the bank's `novel` fraction of draws, a made-up word of that shape."""
+        return novel_word(self.rng, shape) if self.rng.random() < self.bank.novel else self.rng.choice(pool)
+
+    def distinct(self, pool: Sequence[str], k: int, shape: str = "word") -> list[str]:
+        """k different words, each as `word` draws them."""
+        chosen: list[str] = []
+        while len(chosen) < k:
+            if (w := self.word(pool, shape)) not in chosen:
+                chosen.append(w)
+        return chosen
+
+    def noisy(self, text: str) -> str:
+        """The text, or (in half the bank's `novel` fraction) with 1-3 made-up words before or after it."""
+        if self.rng.random() >= self.bank.novel / 2:
+            return text
+        noise = " ".join(novel_word(self.rng, "value") for _ in range(self.rng.randint(1, 3)))
+        return f"{noise}: {text}" if self.rng.random() < 0.5 else f"{text} ({noise})"
 
     def system(self) -> tuple[list[dict[str, Any]], list[str]]:
         """No system message, or a short one (its template id listed)."""
@@ -678,7 +731,7 @@ def _arithmetic(draw: _Draw) -> Built:
     result = a + b if op == "+" else a - b if op == "-" else a * b
     tid, template = draw.template("arithmetic", bank.arithmetic)
     system, ids = draw.system()
-    question = template.format(a=a, op=op, b=b, word=rng.choice(bank.op_words[op]))
+    question = draw.noisy(template.format(a=a, op=op, b=b, word=rng.choice(bank.op_words[op])))
     return Built(
         messages=[*system, _user(question)],
         answer=_reply(draw, "arithmetic", str(result), expr=f"{a} {op} {b}"),
@@ -691,8 +744,8 @@ def _python(draw: _Draw) -> Built:
     rng, bank = draw.rng, draw.bank
     op_name = rng.choice(sorted(PYTHON_OPS))
     op = PYTHON_OPS[op_name]
-    name = rng.choice(bank.python_names[op_name])
-    param = rng.choice(bank.python_params[PYTHON_KINDS.get(op_name, "list")])
+    name = draw.word(bank.python_names[op_name], "name")
+    param = draw.word(bank.python_params[PYTHON_KINDS.get(op_name, "list")], "name")
     tid, (template, form) = draw.template("python", bank.python)
     desc = getattr(op, bank.split).format(p=param)
     expr = op.expr.format(p=param)
@@ -706,9 +759,9 @@ def _python(draw: _Draw) -> Built:
     )
 
 
-def _json_value(rng: random.Random, kind: str, words: Sequence[str]) -> Any:
+def _json_value(rng: random.Random, kind: str, word: Callable[[], str]) -> Any:
     if kind == "string":
-        return rng.choice(words)
+        return word()
     if kind == "integer":
         return rng.randint(0, 500)
     if kind == "number":
@@ -718,8 +771,10 @@ def _json_value(rng: random.Random, kind: str, words: Sequence[str]) -> Any:
 
 def _json(draw: _Draw) -> Built:
     rng, bank = draw.rng, draw.bank
-    keys = rng.sample(sorted(bank.json_keys), rng.randint(2, 4))
-    obj = {key: _json_value(rng, bank.json_keys[key], bank.json_words) for key in keys}
+    kinds = sorted(set(bank.json_keys.values()))
+    keys = draw.distinct(sorted(bank.json_keys), rng.randint(2, 4), "name")
+    types = {key: bank.json_keys.get(key) or rng.choice(kinds) for key in keys}
+    obj = {key: _json_value(rng, types[key], lambda: draw.word(bank.json_words, "value")) for key in keys}
     tid, (template, style) = draw.template("json", bank.json)
     ids = [tid]
     if style == "literal":
@@ -727,8 +782,7 @@ def _json(draw: _Draw) -> Built:
     else:
         ids.append(f"{bank.split}.json_field.{list(bank.field_styles).index(style)}")
         pieces = [
-            bank.field_styles[style].format(k=key, v=json.dumps(value), t=bank.json_keys[key])
-            for key, value in obj.items()
+            bank.field_styles[style].format(k=key, v=json.dumps(value), t=types[key]) for key, value in obj.items()
         ]
         question = template.format(fields=", ".join(pieces))
     system, system_ids = draw.system()
@@ -736,7 +790,7 @@ def _json(draw: _Draw) -> Built:
         messages=[*system, _user(question)],
         answer=_reply(draw, "json", json.dumps(obj)),
         template="+".join([*system_ids, *ids]),
-        check={"types": {key: bank.json_keys[key] for key in keys}, "expected": obj},
+        check={"types": types, "expected": obj},
     )
 
 
@@ -765,9 +819,27 @@ def _param_schema(rng: random.Random, param: Param) -> dict[str, Any]:
     return schema
 
 
-def _tool(rng: random.Random, bank: Bank, verb: str, noun: str) -> dict[str, Any]:
-    """A random tool: 1-4 parameters, some required; half the schemas close their properties."""
-    params = rng.sample(bank.params, rng.randint(1, 4))
+def _novel_param(rng: random.Random) -> Param:
+    """A parameter of a made-up name, type and values (see Bank.novel)."""
+    name, kind = novel_word(rng, "name"), rng.choice(("string", "string", "integer", "number", "boolean", "array"))
+    if kind in ("string", "array"):
+        return Param(name, kind, tuple(dict.fromkeys(novel_word(rng, "value") for _ in range(rng.randint(3, 6)))))
+    low = rng.randint(0, 20)
+    return Param(name, kind, low=low, high=low + rng.randint(5, 200))
+
+
+def _params(draw: _Draw) -> list[Param]:
+    """1-4 parameters of distinct names: the bank's, or (Bank.novel) made-up ones."""
+    chosen: dict[str, Param] = {}
+    for _ in range(draw.rng.randint(1, 4)):
+        param = _novel_param(draw.rng) if draw.rng.random() < draw.bank.novel else draw.rng.choice(draw.bank.params)
+        chosen.setdefault(param.name, param)
+    return list(chosen.values())
+
+
+def _tool(draw: _Draw, verb: str, noun: str) -> tuple[dict[str, Any], list[Param]]:
+    """A random tool and its parameters: 1-4, some required; half the schemas close their properties."""
+    rng, params = draw.rng, _params(draw)
     required = [p.name for p in params if rng.random() < 0.6] or [params[0].name]
     parameters: dict[str, Any] = {
         "type": "object",
@@ -777,7 +849,7 @@ def _tool(rng: random.Random, bank: Bank, verb: str, noun: str) -> dict[str, Any
     if rng.random() < 0.5:
         parameters["additionalProperties"] = False
     function = {"name": f"{verb}_{noun}", "description": f"{verb.capitalize()} a {noun}.", "parameters": parameters}
-    return {"type": "function", "function": function}
+    return {"type": "function", "function": function}, params
 
 
 def _shown(value: Any, quote: bool) -> str:
@@ -800,13 +872,14 @@ def _call_message(draw: _Draw, name: str, arguments: dict[str, Any]) -> dict[str
 def _tool_call_setup(draw: _Draw) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any], str, list[str]]:
     """Offered tools, the chosen one, its arguments, the user's request and the template ids."""
     rng, bank = draw.rng, draw.bank
-    verb = rng.choice(bank.tool_verbs)
-    nouns = rng.sample(bank.tool_nouns, rng.randint(1, 3))
-    tools = [_tool(rng, bank, rng.choice(bank.tool_verbs) if i else verb, noun) for i, noun in enumerate(nouns)]
+    verb = draw.word(bank.tool_verbs, "name")
+    nouns = draw.distinct(bank.tool_nouns, rng.randint(1, 3), "name")
+    made = [_tool(draw, draw.word(bank.tool_verbs, "name") if i else verb, noun) for i, noun in enumerate(nouns)]
+    chosen, chosen_params = made[0]
+    tools = [tool for tool, _ in made]
     rng.shuffle(tools)
-    chosen = next(t for t in tools if t["function"]["name"] == f"{verb}_{nouns[0]}")
     schema = chosen["function"]["parameters"]
-    by_name = {p.name: p for p in bank.params}
+    by_name = {p.name: p for p in chosen_params}
     names = [n for n in schema["properties"] if n in schema["required"] or rng.random() < 0.5]
     arguments = {n: _param_value(rng, by_name[n]) for n in names}
     values = {"verb": verb, "noun": nouns[0], "name": chosen["function"]["name"]}
@@ -862,8 +935,9 @@ def _tool_result(draw: _Draw) -> Built:
     rng, bank = draw.rng, draw.bank
     tools, chosen, arguments, request, ids = _tool_call_setup(draw)
     call = _call_message(draw, chosen["function"]["name"], arguments)
-    fields = rng.sample(sorted(bank.result_fields), rng.randint(2, 4))
-    result = {f: rng.choice(bank.result_fields[f]) for f in fields}
+    fields = draw.distinct(sorted(bank.result_fields), rng.randint(2, 4), "name")
+    result = {f: rng.choice(bank.result_fields[f]) if f in bank.result_fields
+              else rng.choice((novel_word(rng, "value"), rng.randint(1, 999))) for f in fields}  # fmt: skip
     asked = fields[0]
     tid, (template, form) = draw.template("tool_result", bank.result_questions)
     value = str(result[asked])
@@ -891,7 +965,7 @@ def _tool_result(draw: _Draw) -> Built:
 
 
 def _exact_reply(draw: _Draw) -> Built:
-    x = draw.rng.choice(draw.bank.exact_words)
+    x = draw.word(draw.bank.exact_words, "exact")
     tid, template = draw.template("exact_reply", draw.bank.exact)
     system, ids = draw.system()
     return Built(
@@ -920,7 +994,8 @@ def _retrieval(draw: _Draw) -> Built:
     """Filler of the split's grammar (or one of its sentences repeated, as the gate's haystack is) around a needle at
     `depth` of the filler's tokens, then the question; the prompt is `target_tokens` long."""
     rng, bank, tokenizer = draw.rng, draw.bank, draw.tokenizer
-    kind, code = rng.choice(bank.code_kinds), _code(rng, bank.code_words)
+    kind = draw.word(bank.code_kinds, "name").replace("_", " ")
+    code = _code(rng, [draw.word(bank.code_words, "code") for _ in range(2)] if bank.novel else bank.code_words)
     nid, needle = draw.template("needle", bank.needles)
     qid, question = draw.template("question", bank.questions)
     needle, question = needle.format(kind=kind, code=code), question.format(kind=kind)

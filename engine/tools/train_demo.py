@@ -11,7 +11,9 @@ How it trains, and why:
   as in packed pretraining, and each starts with BOS. The plain-torch references are
   differentiable; Triton kernels have no backward, so it runs with FLASHGATE_KERNELS=torch (set here) and with the
   FP8/FP4 activation simulation off (its rounding has no gradient).
-- Loss: next-token cross-entropy on each sample's completion (the prompt is context, not target), plus the MTP
+- Loss: next-token cross-entropy on each sample's completion, plus the same on its prompt (`prompt_weight`: the
+  prompts' repeats and echoes are what teaches the copying heads; the first run, on completions alone, recalled
+  its training lists instead of copying and found no needle), plus the MTP
   layer's cross-entropy one token further (`mtp_weight`), plus the indexer's distillation: the lightning indexer gets
   no gradient through its top-k, so, as DeepSeek trains it (V3.2's dense warm-up), its scores over a query's visible
   c4 rows learn the main attention's distribution over the same rows (KL, the target detached; `indexer_weight`).
@@ -74,16 +76,17 @@ class Recipe:
     """Everything a run depends on; written beside its results."""
 
     seed: int = 0
-    train_samples: int = 20_000
+    train_samples: int = 60_000
     eval_per_task: int = 50
     max_tokens: int = demo_data.DEFAULT_MAX_TOKENS
-    tokens_per_step: int = 32_768
+    tokens_per_step: int = 65_536
     steps: int = 2_000
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    prompt_weight: float = 0.3
     mtp_weight: float = 0.3
     indexer_weight: float = 1.0
     bias_update: float = 1e-3
@@ -237,7 +240,7 @@ def balance_routing(loads: dict[Gate, torch.Tensor], rate: float) -> None:
 
 
 def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> dict[str, torch.Tensor]:
-    """The step's three losses on `rows` (see the module's docstring)."""
+    """The step's four losses on `rows` (see the module's docstring)."""
     batch = forward_batch(model, rows, device)
     items = [e for row in rows for e in row]
     kls: list[torch.Tensor] = []
@@ -247,10 +250,20 @@ def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> dict
         next_ids = torch.cat([torch.cat([e.ids[1:], e.ids[-1:]]) for e in items]).to(device)
         lm_target = torch.tensor([t for e in items for t in _target(e, 1)], device=device)
         mtp_target = torch.tensor([t for e in items for t in _target(e, 2)], device=device)
-        lm = F.cross_entropy(model.logits(streams), lm_target, ignore_index=-100)
+        prompt_target = torch.tensor([t for e in items for t in _prompt_target(e)], device=device)
+        logits = model.logits(streams)
+        lm = F.cross_entropy(logits, lm_target, ignore_index=-100)
+        prompt = F.cross_entropy(logits, prompt_target, ignore_index=-100)
         mtp = F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100)
     indexer = torch.stack(kls).mean() if kls else streams.new_zeros(())
-    return {"lm": lm, "mtp": mtp, "indexer": indexer}
+    return {"lm": lm, "prompt": prompt, "mtp": mtp, "indexer": indexer}
+
+
+def _prompt_target(e: Example) -> list[int]:
+    """Token t+1 for row t where that token is in the prompt, else ignored (-100)."""
+    ids = e.ids.tolist()
+    inside = ids[1 : e.prompt_len]
+    return inside + [-100] * (len(ids) - len(inside))
 
 
 def _target(e: Example, ahead: int) -> list[int]:
@@ -303,7 +316,8 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
             group["lr"] = recipe.lr_at(step)
         with routing_loads(model) as loads:
             parts = losses(model, rows, device)
-        total = parts["lm"] + recipe.mtp_weight * parts["mtp"] + recipe.indexer_weight * parts["indexer"]
+        total = (parts["lm"] + recipe.prompt_weight * parts["prompt"] + recipe.mtp_weight * parts["mtp"]
+                 + recipe.indexer_weight * parts["indexer"])  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
@@ -345,7 +359,9 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str,
     tokenizer = Tokenizer.from_model_dir(model_dir)
     config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("eval", dict.fromkeys(demo_data.TASKS, recipe.eval_per_task), config, tokenizer)
-    with LLM(model_dir, device=device, context_length=recipe.max_tokens + 256) as llm:
+    # Room for an answer's overrun past the reference's length, within the positions the model has.
+    context = min(recipe.max_tokens + 256, recipe.config["max_position_embeddings"])
+    with LLM(model_dir, device=device, context_length=context) as llm:
         prompts = [tokenizer.encode(s.prompt) for s in samples]
         params = [SamplingParams(temperature=0, max_tokens=s.completion_tokens + 32) for s in samples]
         outputs = llm.generate(prompts, params)
