@@ -8,6 +8,8 @@ for results already recorded:
   must not cost throughput (field report (a): 532 vs 64 tok/s at 64 requests).
 - `kernels.svg` (from kernels.json): one c4 layer's indexer + top-k per decode step, batch 64 at 512 actual tokens:
   the old fallback at each configured maximum against ours at 1M, on a log scale.
+- `demo-model.svg` (from demo-model.json): the demo model's training losses over the tokens trained on, on a log
+  scale.
 """
 
 from __future__ import annotations
@@ -95,7 +97,57 @@ def kernels_chart(kernels: dict) -> str:
                      "µs per layer and step", log=True)  # fmt: skip
 
 
-CHARTS = {"serve.json": ("serve.svg", serve_chart), "kernels.json": ("kernels.svg", kernels_chart)}
+def line_chart(title: str, subtitle: str, series: dict[str, list[tuple[float, float]]], x_unit: str,
+               y_unit: str) -> str:  # fmt: skip
+    """Lines of (x, y) points, one per series, x linear from zero, y on a log scale over the decades the values
+    span; a legend of the series' names at the right."""
+    height, left, top, plot_w, plot_h = 420, 60, 58, WIDTH - 60 - 150, 300
+    points = [pt for pts in series.values() for pt in pts]
+    x_max = max(x for x, _ in points)
+    y_lo = 10 ** math.floor(math.log10(min(y for _, y in points)))
+    y_hi = 10 ** math.ceil(math.log10(max(y for _, y in points)))
+
+    def at(x: float, y: float) -> str:
+        fy = math.log10(y / y_lo) / math.log10(y_hi / y_lo)
+        return f"{left + plot_w * x / x_max:.1f},{top + plot_h * (1 - fy):.1f}"
+
+    palette = ("#1f5fa8", "#b5533c", "#7a8fa6", "#4d8b31", "#8a4fa8")
+    parts = [f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#ccc"/>']
+    for k in range(round(math.log10(y_hi / y_lo)) + 1):
+        y = top + plot_h * (1 - k / math.log10(y_hi / y_lo))
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" class="series">{y_lo * 10**k:g}</text>')
+    parts.append(f'<text x="{left + plot_w}" y="{top + plot_h + 16}" class="series">{x_max:,.0f}</text>')
+    for i, (name, pts) in enumerate(series.items()):
+        color = palette[i % len(palette)]
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" '
+                     f'points="{" ".join(at(x, y) for x, y in pts)}"><title>{escape(name)}</title></polyline>'
+                     f'<rect x="{left + plot_w + 16}" y="{top + 22 * i}" width="14" height="4" fill="{color}"/>'
+                     f'<text x="{left + plot_w + 36}" y="{top + 22 * i + 6}">{escape(name)}</text>')  # fmt: skip
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" height="{height}" '
+        f'role="img" aria-label="{escape(title)}">'
+        "<style>text{font:13px sans-serif;fill:#222}.title{font-size:16px;font-weight:bold}.sub{fill:#555}"
+        ".series{text-anchor:end;font-size:11px;fill:#777}.axis{fill:#777;font-size:11px}</style>"
+        f'<rect width="{WIDTH}" height="{height}" fill="#fff"/>'
+        f'<text x="0" y="20" class="title">{escape(title)}</text>'
+        f'<text x="0" y="40" class="sub">{escape(subtitle)}</text>' + "".join(parts)
+        + f'<text x="{left}" y="{height - 30}" class="axis">{escape(x_unit)}; {escape(y_unit)}, log scale</text></svg>\n'
+    )  # fmt: skip
+
+
+def demo_chart(demo: dict) -> str:
+    curve = demo["curve"]
+    series = {name: [(c["tokens"], c[name]) for c in curve] for name in ("lm", "prompt", "mtp", "indexer")}
+    subtitle = (f"{demo['recipe']['steps']} steps, {curve[-1]['tokens'] / 1e6:.1f}M tokens at "
+                f"{curve[-1]['tok_s']:,} tok/s; {demo['gpu']}, commit {demo['commit']}, {demo['date']}")  # fmt: skip
+    return line_chart("Demo model: training losses", subtitle, series, "tokens trained on", "loss (nats per token)")
+
+
+CHARTS = {
+    "serve.json": ("serve.svg", serve_chart),
+    "kernels.json": ("kernels.svg", kernels_chart),
+    "demo-model.json": ("demo-model.svg", demo_chart),
+}
 
 
 def draw(results: Path, only: str | None = None) -> list[Path]:

@@ -48,6 +48,7 @@ from engine.logging import configure_logging
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
 from engine.model.deepseek_v4 import DeepseekV4
+from engine.model.loader import load_model
 from engine.model.moe import Gate
 from engine.model.random_init import randomize
 from engine.model.state import ForwardBatch, SequenceState
@@ -90,6 +91,9 @@ class Recipe:
     mtp_weight: float = 0.3
     indexer_weight: float = 1.0
     bias_update: float = 1e-3
+    # A checkpoint to start from (an earlier run's --out) instead of the seeded random weights: a run longer than
+    # one device call goes on from the last one's weights, its optimizer state started afresh (warm-up again).
+    init: str = ""
     config: dict = field(default_factory=lambda: dict(DEMO_CONFIG))
 
     def lr_at(self, step: int) -> float:
@@ -112,16 +116,26 @@ Row = tuple[Example, ...]
 
 
 def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
-    """The seeded starting point: randomize's unit-variance matrices, with the tensors it randomises for parity tests
-    set to what training starts from (sinks, position and routing biases zero, norms one), every float tensor
-    trainable except the routing biases (moved by the balance rule)."""
-    model = randomize(DeepseekV4(ModelArgs.from_config(recipe.config), quant_sim=False), recipe.seed).to(device)
+    """The starting point: `recipe.init`'s weights (a run resumed, in fp32), or the seeded random one: randomize's
+    unit-variance matrices, with the tensors it randomises for parity tests set to what training starts from (sinks,
+    position and routing biases zero, norms one). Every float tensor is trainable except the routing biases (moved
+    by the balance rule)."""
+    if recipe.init:
+        model = load_model(recipe.init, torch.float32, device, quant_sim=False).train()
+    else:
+        model = randomize(DeepseekV4(ModelArgs.from_config(recipe.config), quant_sim=False), recipe.seed).to(device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("attn_sink", "ape", "bias") or (leaf.startswith("hc_") and leaf.endswith("_base")):
+            if (
+                not recipe.init
+                and leaf in ("attn_sink", "ape", "bias")
+                or (leaf.startswith("hc_") and leaf.endswith("_base"))
+            ):
                 param.zero_()
-            elif name.endswith("norm.weight") or (leaf.startswith("hc_") and leaf.endswith("_scale")):
+            elif not recipe.init and (
+                name.endswith("norm.weight") or (leaf.startswith("hc_") and leaf.endswith("_scale"))
+            ):
                 param.fill_(1.0)
             param.requires_grad_(param.is_floating_point() and not name.endswith("gate.bias"))
     return model
@@ -322,7 +336,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
         total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
         if not torch.isfinite(grad_norm):  # stop with the curve so far rather than train on NaN
-            _write_log(out, recipe, curve)
+            _write_log(out, recipe, curve, device)
             raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm.item()} (losses {parts})")
         optimizer.step()
         balance_routing(loads, recipe.bias_update)
@@ -333,14 +347,20 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
         curve.append(record)
         if step % 10 == 0 or step == recipe.steps - 1:
             log.info("train_step", **record)
-    _write_log(out, recipe, curve)
+    _write_log(out, recipe, curve, device)
     save(model, recipe, out)
     return model
 
 
-def _write_log(out: Path, recipe: Recipe, curve: list[dict]) -> None:
+def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.device) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_log.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "curve": curve}) + "\n")
+    where = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "commit": os.environ.get("FLASHGATE_COMMIT", "unknown"),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    log = {"recipe": dataclasses.asdict(recipe), **where, "curve": curve}
+    (out / "train_log.json").write_text(json.dumps(log) + "\n")
 
 
 def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:
