@@ -72,8 +72,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# The demo model (issue 31)",
         "",
-        f"{result['gpu']}, commit {result['commit']}, {result['date']}. Trained by `python -m engine.tools.train_demo`;",
-        "recorded by `python bench/demo_model.py --run DIR`.",
+        f"{result['gpu']}, commit {result['commit']}, {result['date']}.",
+        "Trained by `python -m engine.tools.train_demo`; recorded by `python bench/demo_model.py --run DIR`.",
         "",
         "![training losses](demo-model.svg)",
         "",

@@ -131,7 +131,8 @@ def line_chart(title: str, subtitle: str, series: dict[str, list[tuple[float, fl
         f'<rect width="{WIDTH}" height="{height}" fill="#fff"/>'
         f'<text x="0" y="20" class="title">{escape(title)}</text>'
         f'<text x="0" y="40" class="sub">{escape(subtitle)}</text>' + "".join(parts)
-        + f'<text x="{left}" y="{height - 30}" class="axis">{escape(x_unit)}; {escape(y_unit)}, log scale</text></svg>\n'
+        + f'<text x="{left}" y="{height - 30}" class="axis">{escape(x_unit)}; {escape(y_unit)}, log scale</text>'
+        + "</svg>\n"
     )  # fmt: skip
 
 
