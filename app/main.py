@@ -34,7 +34,7 @@ from app.auth.service import CSRF_SECRET, ENV_ADMIN, appliance_secret, bootstrap
 from app.auth.throttle import AttemptLimit
 from app.console import console_error, console_router
 from app.db import create_db_engine, migrate, session_provider
-from app.engine_control.checkpoint import DemoCheckpoint
+from app.engine_control.checkpoint import TinyCheckpoint
 from app.engine_control.controller import EngineController
 from app.engine_control.docker_driver import DockerDriver
 from app.engine_control.driver import EngineDriver
@@ -141,7 +141,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
     gpus = gpus or NvmlGpus()
     supervisor = Supervisor(settings, engine, make_driver(settings), gpus)
     telemetry = Telemetry(gpus, supervisor.target, settings.telemetry_interval_s)
-    checkpoint = DemoCheckpoint(settings.models_dir, settings.engine_logs_dir, engine)
+    checkpoint = TinyCheckpoint(settings.models_dir, settings.engine_logs_dir, engine)
     qualification = load_qualification_settings()
     slot = EngineSlot(engine, supervisor, settings.engine_boot_timeout_s)
     qualifier = Qualifier(settings, qualification, engine, slot, gpus, run_reading(settings))
@@ -156,7 +156,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         supervisor.recover()
         qualifier.recover()
         switch.recover()
-        checkpoint.ensure(settings.install_demo)
+        checkpoint.ensure(settings.make_tiny)
         telemetry.start()
         watch.start()
 

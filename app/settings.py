@@ -28,8 +28,8 @@ class Settings:
     # Engine logs are kept for this many of the latest starts.
     log_retention: int
     telemetry_interval_s: float
-    # Put the shipped demo model in place on first start when FLASHGATE_MODELS_DIR/demo is missing.
-    install_demo: bool
+    # Make the tiny CPU checkpoint on first start when FLASHGATE_MODELS_DIR/tiny is missing.
+    make_tiny: bool
     # The docker driver: the socket proxy, the pre-created engine container, and its host name on the network.
     docker_host: str
     docker_container: str
@@ -132,7 +132,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         engine_health_timeout_s=_positive(env, "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S", "30", float),
         log_retention=_positive(env, "FLASHGATE_LOG_RETENTION", "20", int),
         telemetry_interval_s=_positive(env, "FLASHGATE_TELEMETRY_INTERVAL_S", "2", float),
-        install_demo=_flag(env.get("FLASHGATE_INSTALL_DEMO")) is not False,
+        make_tiny=_flag(env.get("FLASHGATE_MAKE_TINY")) is not False,
         docker_host=env.get("FLASHGATE_DOCKER_HOST", "tcp://docker-proxy:2375"),
         docker_container=env.get("FLASHGATE_DOCKER_CONTAINER", "flashgate-engine"),
         docker_engine_host=env.get("FLASHGATE_DOCKER_ENGINE_HOST", "engine"),

@@ -81,10 +81,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> Path:
-    """A models directory holding the tiny checkpoint, made once per session by the engine's own tool (a subprocess),
-    also as `demo` (a link): there cpu-demo serves the random checkpoint, the deterministic stand-in the console's
-    tests are written against (the trained demo model has tests of its own)."""
+    """A models directory holding the tiny checkpoint, made once per session by the engine's own tool (a subprocess,
+    as the console makes it)."""
     models = tmp_path_factory.mktemp("models")
     subprocess.run([sys.executable, "-m", "engine.tools.make_tiny", "--out", str(models / "tiny")], check=True)
-    (models / "demo").symlink_to("tiny")
     return models

@@ -1,7 +1,6 @@
-"""The demo model the cpu-demo profile serves (trained, shipped with the project in engine/demo_model/), put in
-place on first start by the engine's own tool as a subprocess (`python -m engine.tools.demo_model`, which checks
-every file against the shipped SHA256SUMS), in the background, into a hidden directory renamed into place when
-complete: the profile shows "weights missing" until then, never half a checkpoint or a damaged one."""
+"""The tiny CPU checkpoint the cpu-demo profile serves, made on first start by the engine's own tool as a subprocess
+(`python -m engine.tools.make_tiny`), in the background, into a hidden directory renamed into place when complete:
+the profile shows "weights missing" until then, never half a checkpoint."""
 
 from __future__ import annotations
 
@@ -24,14 +23,14 @@ from app.engine_control.logfiles import tail_lines
 
 log = structlog.get_logger(__name__)
 
-DEMO = "demo"
+TINY = "tiny"
 
 
 class CheckpointState(StrEnum):
     present = "present"
     making = "making"
     failed = "failed"
-    # Missing, and FLASHGATE_INSTALL_DEMO=0 says not to put it in place.
+    # Missing, and FLASHGATE_MAKE_TINY=0 says not to make it.
     missing = "missing"
 
 
@@ -44,10 +43,10 @@ class CheckpointStatus:
     detail: str | None = None
 
 
-class DemoCheckpoint:
+class TinyCheckpoint:
     def __init__(self, models_dir: Path, logs_dir: Path, db: Engine) -> None:
-        self.path = models_dir / DEMO
-        self.log_path = logs_dir / "install-demo.log"
+        self.path = models_dir / TINY
+        self.log_path = logs_dir / "make-tiny.log"
         self.db = db
         self._status = CheckpointStatus(CheckpointState.missing, self.path)
         self._thread: threading.Thread | None = None
@@ -59,12 +58,12 @@ class DemoCheckpoint:
         return self._status
 
     def ensure(self, make: bool) -> None:
-        """Start putting the checkpoint in place in the background when it is missing and `make` allows."""
+        """Start making the checkpoint in the background when it is missing and `make` allows."""
         if not make or self.status().state is CheckpointState.present:
             return
         self._status = CheckpointStatus(CheckpointState.making, self.path, started_at=utcnow())
         self._record("checkpoint.make", {"path": str(self.path)})
-        self._thread = threading.Thread(target=self._make, name="install-demo", daemon=True)
+        self._thread = threading.Thread(target=self._make, name="make-tiny", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -72,19 +71,19 @@ class DemoCheckpoint:
             self._thread.join(timeout)
 
     def stop(self) -> None:
-        """At console shutdown: a half-copied checkpoint is discarded (and copied again at the next start)."""
+        """At console shutdown: a half-made checkpoint is discarded (and made again at the next start)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
         self.wait(10)
 
     def _make(self) -> None:
-        partial = self.path.with_name(f".{DEMO}.partial")
+        partial = self.path.with_name(f".{TINY}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as out:
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "engine.tools.demo_model", "--out", str(partial)],
+                    [sys.executable, "-m", "engine.tools.make_tiny", "--out", str(partial)],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -97,16 +96,16 @@ class DemoCheckpoint:
             partial.rename(self.path)
             self._status = replace(self._status, state=CheckpointState.present, finished_at=utcnow())
             self._record("checkpoint.made", {"path": str(self.path)})
-            log.info("demo_checkpoint_made", path=str(self.path))
+            log.info("tiny_checkpoint_made", path=str(self.path))
             return
         shutil.rmtree(partial, ignore_errors=True)
         last = " | ".join(tail_lines(self.log_path, 5))
-        detail = f"python -m engine.tools.demo_model failed (exit code {code}): {last}"
+        detail = f"python -m engine.tools.make_tiny failed (exit code {code}): {last}"
         self._status = replace(self._status, state=CheckpointState.failed, finished_at=utcnow(), detail=detail)
         self._record("checkpoint.failed", {"path": str(self.path), "detail": detail})
-        log.error("demo_checkpoint_failed", detail=detail, log=str(self.log_path))
+        log.error("tiny_checkpoint_failed", detail=detail, log=str(self.log_path))
 
     def _record(self, action: str, after: dict[str, str]) -> None:
         with Session(self.db) as session:
-            audit.record(session, "system", action, f"checkpoint:{DEMO}", after=after)
+            audit.record(session, "system", action, f"checkpoint:{TINY}", after=after)
             session.commit()

@@ -83,7 +83,7 @@ class RunRead(msgspec.Struct, kw_only=True):
 
 
 class CheckpointRead(msgspec.Struct):
-    """The demo model the console puts in place on first start (app/engine_control/checkpoint.py)."""
+    """The tiny CPU checkpoint the console makes on first start."""
 
     state: CheckpointState
     path: str

@@ -50,12 +50,8 @@ def make_app(data_dir: Path) -> Callable[..., Litestar]:
 
     def make(**env: str) -> Litestar:
         """`FLASHGATE_ADMIN_TOKEN=""` starts without an admin token (the setup-token path). The tiny checkpoint is
-        not made unless a test asks (`FLASHGATE_INSTALL_DEMO="1"`): most tests want "weights missing"."""
-        base = {
-            "FLASHGATE_DATA_DIR": str(data_dir),
-            "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "FLASHGATE_INSTALL_DEMO": "0",
-        }
+        not made unless a test asks (`FLASHGATE_MAKE_TINY="1"`): most tests want "weights missing"."""
+        base = {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_MAKE_TINY": "0"}
         return create_app(load_settings({**base, **env}))
 
     return make
@@ -110,7 +106,7 @@ def gpu_console(data_dir, tiny_models_dir):
                 "FLASHGATE_DATA_DIR": str(data_dir),
                 "FLASHGATE_MODELS_DIR": str(tiny_models_dir),
                 "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-                "FLASHGATE_INSTALL_DEMO": "0",
+                "FLASHGATE_MAKE_TINY": "0",
                 "FLASHGATE_TELEMETRY_INTERVAL_S": "0.2",
             }
         )

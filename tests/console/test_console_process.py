@@ -21,7 +21,7 @@ def test_console_starts_and_answers_health(tmp_path):
         "FLASHGATE_DATA_DIR": str(tmp_path / "data"),
         "FLASHGATE_PORT": str(port),
         "FLASHGATE_LOG_JSON": "1",
-        "FLASHGATE_INSTALL_DEMO": "0",
+        "FLASHGATE_MAKE_TINY": "0",
         "FLASHGATE_ADMIN_TOKEN": None,
     }
     log = tmp_path / "console.log"
@@ -50,7 +50,7 @@ def _console(data_dir: Path, port: int, engine_port: int, log: Path):
         "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
         "FLASHGATE_LOG_JSON": "1",
         "FLASHGATE_ENGINE_GRACE_S": "10",
-        "FLASHGATE_INSTALL_DEMO": None,
+        "FLASHGATE_MAKE_TINY": None,
     }
     return start_console(settings, log, timeout=90)
 
@@ -76,7 +76,7 @@ def test_first_start_makes_the_tiny_checkpoint_and_a_restart_reclaims_a_left_eng
     try:
         assert engine()["demo_checkpoint"]["state"] in ("making", "present")
         wait_until(lambda: engine()["demo_checkpoint"]["state"] == "present", "made", 90, first, log)
-        assert (data_dir / "models" / "demo" / "model.safetensors").is_file()
+        assert (data_dir / "models" / "tiny" / "model.safetensors").is_file()
         assert httpx.get(f"{api}/profiles/cpu-demo", headers=admin).json()["state"]["blockers"] == []
         started = httpx.post(f"{api}/engine/start", json={"profile": "cpu-demo"}, headers=admin, timeout=30)
         assert started.status_code == 202, started.text

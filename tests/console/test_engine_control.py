@@ -87,7 +87,7 @@ def _settings(data_dir: Path, models_dir: Path, **env: str):
             "FLASHGATE_DATA_DIR": str(data_dir),
             "FLASHGATE_MODELS_DIR": str(models_dir),
             "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "FLASHGATE_INSTALL_DEMO": "0",
+            "FLASHGATE_MAKE_TINY": "0",
             "FLASHGATE_ENGINE_GRACE_S": str(GRACE_S),
             "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S": str(HEALTH_TIMEOUT_S),
             "FLASHGATE_TELEMETRY_INTERVAL_S": "0.5",

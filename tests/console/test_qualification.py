@@ -98,7 +98,7 @@ def build() -> Iterator[pytest.MonkeyPatch]:
 @pytest.fixture(scope="module")
 def console(tmp_path_factory, tiny_models_dir, build) -> Iterator[Console]:
     models = tmp_path_factory.mktemp("q-models")
-    shutil.copytree(tiny_models_dir / "tiny", models / "demo")
+    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
     shutil.copytree(tiny_models_dir / "tiny", models / "tiny-b")  # B's own copy: the one corrupted later
     port = free_port()
     settings = load_settings(
@@ -106,7 +106,7 @@ def console(tmp_path_factory, tiny_models_dir, build) -> Iterator[Console]:
             "FLASHGATE_DATA_DIR": str(tmp_path_factory.mktemp("q-console") / "data"),
             "FLASHGATE_MODELS_DIR": str(models),
             "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "FLASHGATE_INSTALL_DEMO": "0",
+            "FLASHGATE_MAKE_TINY": "0",
             "FLASHGATE_ENGINE_PORT": str(port),
             "FLASHGATE_ENGINE_GRACE_S": "10",
         }
@@ -423,7 +423,7 @@ def test_an_engine_that_cannot_start_stops_the_ladder_but_not_the_log_scan(conso
 def test_a_run_that_cannot_restore_production_raises_an_alert(console: Console):
     # Production's weights vanish while a run holds the engine: the run aborts, its restore fails, and the alert says
     # so instead of leaving a route that looks normal with nothing serving it.
-    weights, moved = console.models_dir / "demo", console.models_dir / "demo-away"
+    weights, moved = console.models_dir / "tiny", console.models_dir / "tiny-away"
     try:
         run = console.qualify("tiny-q1k-broken", during=lambda: weights.rename(moved), confirm_downtime=True)
     finally:

@@ -139,7 +139,7 @@ def wait(predicate: Callable[[], bool], what: str, timeout: float, stack: Stack)
 def models_dir(tmp_path_factory, tiny_models_dir) -> Path:
     """The weights directory an operator mounts: the tiny checkpoint, readable by the container's user (10001)."""
     models = tmp_path_factory.mktemp("container-models")
-    shutil.copytree(tiny_models_dir / "tiny", models / "demo")
+    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
     for path in [models, *models.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     models.parent.chmod(0o755)

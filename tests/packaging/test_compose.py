@@ -165,7 +165,7 @@ def test_console_settings_in_compose_match_the_console_defaults():
     )
     for field in ("supervisor", "admin_token", "engine_grace_s", "engine_boot_timeout_s", "engine_health_timeout_s"):
         assert getattr(settings, field) == getattr(defaults, field), field
-    assert settings.log_json is True and settings.install_demo is False
+    assert settings.log_json is True and settings.make_tiny is False
     overridden = load_settings(compose(OVERRIDES)["services"]["flashgate"]["environment"])
     assert overridden.supervisor == "docker" and overridden.admin_token == "fg_secret"
 

@@ -22,7 +22,7 @@ from app.engine_control.driver import EngineCommand, engine_args
 from app.main import BUILD_HEADER
 from app.profiles.models import Profile
 from app.settings import load_settings
-from engine.tools.demo_model import install
+from engine.tools.make_tiny import make_tiny
 from tests.support import ROOT, OutputLines, free_port, terminate, wait_until
 
 ENTRYPOINT = ROOT / "bin" / "flashgate"
@@ -82,7 +82,7 @@ def healthcheck(port: int) -> subprocess.CompletedProcess[str]:
 def test_console_mode_answers_healthz_with_the_build(tmp_path):
     port = free_port()
     env = entrypoint_env(
-        tmp_path / "data", FLASHGATE_PORT=str(port), FLASHGATE_INSTALL_DEMO="0", FLASHGATE_ADMIN_TOKEN="fg_pkg-test"
+        tmp_path / "data", FLASHGATE_PORT=str(port), FLASHGATE_MAKE_TINY="0", FLASHGATE_ADMIN_TOKEN="fg_pkg-test"
     )
     console = Running([], env)  # no command: the console, as the image's CMD and `make run` start it
     try:
@@ -117,7 +117,7 @@ def _tiny_demo_command(models_dir: Path, port: int) -> EngineCommand:
 def test_engine_mode_waits_for_the_handoff_then_serves_it(tmp_path):
     data_dir, models_dir = tmp_path / "data", tmp_path / "models"
     data_dir.mkdir()
-    install(models_dir / "demo")  # the trained demo model, as the console puts it in place
+    make_tiny(models_dir / "tiny")
     port = free_port()
     engine = Running(["engine"], entrypoint_env(data_dir))
     try:

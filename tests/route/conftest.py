@@ -27,7 +27,7 @@ def data_dir(tmp_path_factory) -> Path:
 def client(data_dir: Path) -> Iterator[TestClient]:
     """One console for the module (no engine: its profiles' weights are missing)."""
     settings = load_settings(
-        {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_INSTALL_DEMO": "0"}
+        {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_MAKE_TINY": "0"}
     )
     with TestClient(create_app(settings)) as test_client:
         yield test_client
@@ -43,13 +43,13 @@ def console_settings(base: Path, tiny_models_dir: Path, **extra: str) -> dict[st
     """A console process's settings: its own data folder and a models folder holding a copy of the tiny checkpoint
     under `base`, free ports for it and its engine, the test admin token; `extra` settings on top."""
     models = base / "models"
-    shutil.copytree(tiny_models_dir / "tiny", models / "demo")
+    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
     return {
         "FLASHGATE_DATA_DIR": str(base / "data"),
         "FLASHGATE_MODELS_DIR": str(models),
         "FLASHGATE_PORT": str(free_port()),
         "FLASHGATE_ENGINE_PORT": str(free_port()),
         "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "FLASHGATE_INSTALL_DEMO": "0",
+        "FLASHGATE_MAKE_TINY": "0",
         "OMP_NUM_THREADS": "1",
     } | extra

@@ -56,7 +56,11 @@ def test_the_command_draws_each_recorded_result(tmp_path):
 
 
 def test_the_recorded_charts_are_drawn_from_the_recorded_numbers():
-    for source, (target, chart) in CHARTS.items():
+    # The demo model's chart comes with its first recorded run (issue 31); the first wave's are recorded.
+    recorded = [source for source in CHARTS if (RESULTS / source).exists()]
+    assert {"serve.json", "kernels.json"} <= set(recorded)
+    for source in recorded:
+        target, chart = CHARTS[source]
         assert (RESULTS / target).read_text() == chart(json.loads((RESULTS / source).read_text())), target
         report = (RESULTS / source).with_suffix(".md").read_text()
         assert f"]({target})" in report, f"{source[:-5]}.md does not show {target}"
