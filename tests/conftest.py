@@ -18,8 +18,10 @@ import pytest
 # 2026-12-02 the 2-core machine ran the suite about 1.45x slower than the day before (unmarked 176 -> 290 s, slow
 # 510 -> 731 s, pytest 24.7 min in all) while a sample test took no longer at HEAD than at the day-old commit in the
 # same minute: the budgets leave room for such a machine. On 2026-12-02 (session 12) the suite grew by the multi-rank,
-# prefix-cache and multi-GPU console tests: a clean-clone CI run took unmarked 331 s, slow 807 s, pytest 26 min.
-BUDGETS = {"unmarked": 420.0, "slow": 1050.0, "ranks": 300.0, "browser": 240.0, "gpu": 900.0, "container": 1200.0}
+# prefix-cache and multi-GPU console tests: a clean-clone CI run took unmarked 331 s, slow 807 s, pytest 26 min. By
+# 2026-12-03 the demo model's training and data tests had come in (1,811 tests): CI's run took pytest 30.7 min, all
+# passing, and went red on a budget; the unmarked tests alone took 419 s here on an idle machine.
+BUDGETS = {"unmarked": 540.0, "slow": 1250.0, "ranks": 300.0, "browser": 240.0, "gpu": 900.0, "container": 1200.0}
 
 _spent: collections.Counter[str] = collections.Counter()
 
