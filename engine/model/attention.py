@@ -39,6 +39,14 @@ from engine.model.weight_formats import Formats, Unquantized
 PREFILL_BUDGET = 2**26
 
 
+def _ring_slots(slot: int, p0: int, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's ring slots: those of the window rows before it (read before it overwrites them) and of its last
+    window rows (written)."""
+    before = torch.arange(max(0, p0 - window + 1), p0, device=positions.device)
+    tail = positions[-min(len(positions), window) :]
+    return slot * window + before % window, slot * window + tail % window
+
+
 class Compressor(nn.Module):
     """Gated softmax pooling of every `ratio` tokens into one row (§5.2). Ratio 4 pools overlapping windows of 8:
     the first half of each token's projection feeds the next window, the second half its own. Its projections wkv
@@ -201,26 +209,30 @@ class Attention(nn.Module):
         cache, slot, p0 = self.kv, seq.slot, seq.num_tokens  # the row's first position, known on the host
         window, dim = self.window, kv.shape[-1]
         # The window rows before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
-        # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 of this span.
-        prev = torch.arange(max(0, p0 - window + 1), p0, device=q.device)
-        ring = cache.ring.read(slot * window + prev % window).to(kv.dtype)
-        span = torch.cat([kv.new_zeros(window - 1 - len(prev), dim), ring, kv])
-        tail = positions[-min(len(positions), window) :]
-        cache.ring.write(slot * window + tail % window, kv[-len(tail) :])
+        # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 of this span. The ring slots
+        # are every layer's alike (each has its own ring): made once a step.
+        read, written = batch.per_step(("ring", i, window), self.layer_id,
+                                       lambda: _ring_slots(slot, p0, positions, window))  # fmt: skip
+        ring = cache.ring.read(read).to(kv.dtype)
+        span = torch.cat([kv.new_zeros(window - 1 - len(read), dim), ring, kv])
+        cache.ring.write(written, kv[-len(written) :])
         comp_slots = index_slots = None
         if self.compressor is not None:
             n_old = p0 // self.ratio
             new_rows = self.compressor.compress(*proj["comp"], positions, p0, cache.comp_state_of(slot), kv.dtype)
-            n = n_old + len(new_rows)
-            comp_slots = batch.row_slots(i, 0, n, cache.comp.rows_per_page)
+            n, per_page = n_old + len(new_rows), cache.comp.rows_per_page
+            comp_slots = batch.per_step(("row slots", i, n, per_page), self.layer_id,
+                                        lambda: batch.row_slots(i, 0, n, per_page))  # fmt: skip
             cache.comp.write(comp_slots[n_old:], new_rows)
             if self.indexer is not None:
                 new_keys = self.indexer.compressor.compress(*proj["index"], positions, p0, cache.index_state_of(slot),
                                                             kv.dtype)  # fmt: skip
-                index_slots = batch.row_slots(i, 0, n, cache.index.rows_per_page)
+                # c4's index keys and compressed rows keep as many rows a page: the same slots
+                index_slots = (comp_slots if cache.index.rows_per_page == per_page
+                               else batch.row_slots(i, 0, n, cache.index.rows_per_page))  # fmt: skip
                 cache.index.write(index_slots[n_old:], new_keys)
         if use_triton(q.device) and q.dtype != torch.float64:
-            return self._prefill_kernels(q, proj, positions, p0, span, comp_slots, batch.page_table[i])
+            return self._prefill_kernels(q, proj, positions, p0, span, comp_slots, batch, i)
         return self._prefill_reference(q, proj, positions, span, comp_slots, index_slots)
 
     def _prefill_reference(self, q, proj, positions, span, comp_slots, index_slots) -> torch.Tensor:
@@ -257,7 +269,7 @@ class Attention(nn.Module):
             out[b] = attend_parts_with_sink(q[b], parts, self.sink, self.scale)
         return out
 
-    def _prefill_kernels(self, q, proj, positions, p0, span, comp_slots, page_table) -> torch.Tensor:
+    def _prefill_kernels(self, q, proj, positions, p0, span, comp_slots, batch: ForwardBatch, i: int) -> torch.Tensor:
         """The prefill attention through the decode kernels, each query one batch row: its window rows from the span
         (in the ring's row format, so FP8 rows hold what the ring holds), then the indexer's top-k of its c4 rows, or
         the c128 rows it sees (one list, a stride-0 row per query). c4 queries go in blocks whose index logits, one
@@ -269,26 +281,24 @@ class Attention(nn.Module):
         rows shared by all queries with stride 0 also for one query (`expand` keeps a single row's own stride, which
         Triton specialises: the H200 compiled four variants after boot for one-token chunks)."""
         cache, window, ring = self.kv, self.window, self.kv.ring
-        positions = positions.int()
+        # What the queries read is every layer's of this kind alike: made once a step.
+        positions, own_row, visible, lists, lengths, table = batch.per_step(
+            ("query rows", i, self.ratio, window), self.layer_id,
+            lambda: self._query_rows(positions, p0, comp_slots, batch.page_table[i]),
+        )  # fmt: skip
         if ring.fp8:  # the ring's encoder: it rounds as the ring's rows and the reference's simulation do
             rows = ring.storage.new_empty(-(-len(span) // window), ring.storage.shape[1])
-            write_main_rows(rows, torch.arange(len(span), device=q.device), span, window, ring.rope_dim)
+            span_rows = batch.per_step(("span rows", i, len(span)), self.layer_id,
+                                       lambda: torch.arange(len(span), device=q.device))  # fmt: skip
+            write_main_rows(rows, span_rows, span, window, ring.rope_dim)
             span = rows
-        own_row = positions - (p0 - window + 1)  # each query's own row of the span
-        visible = (positions + 1) // self.ratio if self.ratio else torch.zeros_like(positions)
-        # The compressed rows' list: none (window-only, and c128 before its first row), every row (c128: each query
-        # reads its visible ones), or each block's top-k (c4, below).
         comp_rows, rows_per_page, step = span, window, len(q)
-        lists, lengths = torch.full((1, 1), -1, dtype=torch.int32, device=q.device), visible
         if self.compressor is not None:
             comp_rows, rows_per_page = cache.comp.storage, cache.comp.rows_per_page
-            lists = comp_slots.int()[None] if comp_slots.numel() else lists
         if self.indexer is not None:
             k, n = self.indexer.topk, max(len(comp_slots), 1)  # a launch needs a column even before the first c4 row
             step = min(len(q), max(16, PREFILL_BUDGET // n // 16 * 16))
             logits = torch.empty(step, -(-n // 64) * 64, device=q.device)
-            lengths = visible.clamp(max=k)
-            table = page_table.clone()  # a row of the batch's table sits at any offset
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for a in range(0, len(q), step):
             b = slice(a, a + step)
@@ -309,6 +319,22 @@ class Attention(nn.Module):
                                            rows_per_page, picked, lengths[b], out[b], window, self.rotary.rope_dim,
                                            window_span=True, splits=splits)  # fmt: skip
         return out
+
+    def _query_rows(self, positions, p0, comp_slots, page_table):
+        """A request's chunk of queries as the prefill kernels read it: positions (int32), each query's own row of
+        the span, its visible compressed rows, the compressed rows' list (none: window-only, and c128 before its
+        first row; every row: c128, each query reads its visible ones; c4 picks each block's top-k) with each
+        query's length of it, and the indexer's page table (c4)."""
+        positions = positions.int()
+        own_row = positions - (p0 - self.window + 1)
+        visible = (positions + 1) // self.ratio if self.ratio else torch.zeros_like(positions)
+        lists, lengths, table = torch.full((1, 1), -1, dtype=torch.int32, device=positions.device), visible, None
+        if self.compressor is not None and self.indexer is None and comp_slots.numel():
+            lists = comp_slots.int()[None]
+        if self.indexer is not None:
+            lengths = visible.clamp(max=self.indexer.topk)
+            table = page_table.clone()  # a row of the batch's table sits at any offset
+        return positions, own_row, visible, lists, lengths, table
 
     def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:
         """One token per request, batched, through the kernels (Triton on CUDA, the references elsewhere)."""
