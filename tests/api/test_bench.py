@@ -1,4 +1,4 @@
-"""bench/serve.py, the serving benchmark meant for the H200, keeps working: its CPU smoke run on the tiny model."""
+"""The benchmarks meant for the H200 keep working: their CPU smoke runs on the tiny model."""
 
 from __future__ import annotations
 
@@ -45,3 +45,23 @@ def test_the_prefix_cache_benchmark_smoke_run(tmp_path):
     assert 0 < summary["session_hit_rate"] < 1 and 0 < summary["burst_cached_fraction"] < 1
     assert summary["turn_ttft_ratio"] > 0 and summary["decode_ratio_cache_on"] > 0
     assert "turn_ttft_ratio" in (tmp_path / "prefix.md").read_text()
+
+
+def test_the_host_ops_count_smoke_run(tmp_path):
+    """bench/host_ops.py on the tiny model: each layer kind's ops and launches counted, and no layer of a prefill or
+    decode step waits for the device (a host sync in a layer would stall every step)."""
+    done = subprocess.run([sys.executable, "bench/host_ops.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "host-ops.json").read_text())
+    for name in ("prefill", "decode"):
+        step = report["steps"][name]
+        assert set(step["per_layer_kind"]) == {"window", "c4", "c128"}
+        for kind, counts in step["per_layer_kind"].items():
+            assert counts["sync"] == 0, (name, kind)
+            assert counts["triton"] > 0 and counts["torch"] > 0, (name, kind)
+        assert step["top_functions"] and step["top_lines"]
+    # c4 layers launch the most: the indexer and its compressor on top of what c128 layers do
+    decode = report["steps"]["decode"]["per_layer_kind"]
+    assert decode["c4"]["triton"] > decode["c128"]["triton"] > decode["window"]["triton"]
+    assert "host syncs" in (tmp_path / "host-ops.md").read_text()
