@@ -20,8 +20,9 @@ import pytest
 # same minute: the budgets leave room for such a machine. On 2026-12-02 (session 12) the suite grew by the multi-rank,
 # prefix-cache and multi-GPU console tests: a clean-clone CI run took unmarked 331 s, slow 807 s, pytest 26 min. By
 # 2026-12-03 the demo model's training and data tests had come in (1,811 tests): CI's run took pytest 30.7 min, all
-# passing, and went red on a budget; the unmarked tests alone took 419 s here on an idle machine.
-BUDGETS = {"unmarked": 540.0, "slow": 1250.0, "ranks": 300.0, "browser": 240.0, "gpu": 900.0, "container": 1200.0}
+# passing, and went red on a budget; the unmarked tests alone took 419 s here on an idle machine. A clean-clone run
+# here then took unmarked 409 s, slow 1,197 s (the host-ops smoke run came in), pytest 37 min.
+BUDGETS = {"unmarked": 540.0, "slow": 1400.0, "ranks": 300.0, "browser": 240.0, "gpu": 900.0, "container": 1200.0}
 
 _spent: collections.Counter[str] = collections.Counter()
 
