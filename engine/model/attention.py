@@ -282,14 +282,12 @@ class Attention(nn.Module):
         Triton specialises: the H200 compiled four variants after boot for one-token chunks)."""
         cache, window, ring = self.kv, self.window, self.kv.ring
         # What the queries read is every layer's of this kind alike: made once a step.
-        positions, own_row, visible, lists, lengths, table = batch.per_step(
+        positions, own_row, visible, lists, lengths, table, span_rows = batch.per_step(
             ("query rows", i, self.ratio, window), self.layer_id,
-            lambda: self._query_rows(positions, p0, comp_slots, batch.page_table[i]),
+            lambda: self._query_rows(positions, p0, len(span), comp_slots, batch.page_table[i]),
         )  # fmt: skip
         if ring.fp8:  # the ring's encoder: it rounds as the ring's rows and the reference's simulation do
             rows = ring.storage.new_empty(-(-len(span) // window), ring.storage.shape[1])
-            span_rows = batch.per_step(("span rows", i, len(span)), self.layer_id,
-                                       lambda: torch.arange(len(span), device=q.device))  # fmt: skip
             write_main_rows(rows, span_rows, span, window, ring.rope_dim)
             span = rows
         comp_rows, rows_per_page, step = span, window, len(q)
@@ -320,11 +318,11 @@ class Attention(nn.Module):
                                            window_span=True, splits=splits)  # fmt: skip
         return out
 
-    def _query_rows(self, positions, p0, comp_slots, page_table):
+    def _query_rows(self, positions, p0, span_len, comp_slots, page_table):
         """A request's chunk of queries as the prefill kernels read it: positions (int32), each query's own row of
         the span, its visible compressed rows, the compressed rows' list (none: window-only, and c128 before its
         first row; every row: c128, each query reads its visible ones; c4 picks each block's top-k) with each
-        query's length of it, and the indexer's page table (c4)."""
+        query's length of it, the indexer's page table (c4), and the span's row indices (for its FP8 encoding)."""
         positions = positions.int()
         own_row = positions - (p0 - self.window + 1)
         visible = (positions + 1) // self.ratio if self.ratio else torch.zeros_like(positions)
@@ -334,7 +332,8 @@ class Attention(nn.Module):
         if self.indexer is not None:
             lengths = visible.clamp(max=self.indexer.topk)
             table = page_table.clone()  # a row of the batch's table sits at any offset
-        return positions, own_row, visible, lists, lengths, table
+        span_rows = torch.arange(span_len, device=positions.device)
+        return positions, own_row, visible, lists, lengths, table, span_rows
 
     def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:
         """One token per request, batched, through the kernels (Triton on CUDA, the references elsewhere)."""
