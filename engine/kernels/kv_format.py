@@ -57,6 +57,14 @@ def read_main_rows(storage: torch.Tensor, slots: torch.Tensor, rows_per_page: in
     return torch.cat([values * scale, rope], dim=1)
 
 
+def main_page_rows(storage: torch.Tensor, page: int, rows_per_page: int, head_dim: int, rope_dim: int):
+    """Page `page` of fp8 main-row storage as byte views (data [rows_per_page, data bytes], scales [rows_per_page,
+    MAIN_SCALE_BYTES]): a row copied through both is copied bit for bit."""
+    data_bytes = main_data_bytes(head_dim, rope_dim)
+    split = rows_per_page * data_bytes
+    return storage[page, :split].view(rows_per_page, data_bytes), storage[page, split:].view(rows_per_page, -1)
+
+
 def index_values(storage: torch.Tensor, dim: int) -> torch.Tensor:
     """[pages, INDEX_ROWS, dim] view of index-key storage, indexed as page * stride(0) + row * stride(1)."""
     if storage.dtype == torch.uint8:

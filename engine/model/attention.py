@@ -16,9 +16,10 @@ import triton
 from torch import nn
 
 from engine.cache.kv_cache import LayerKV
-from engine.kernels.compressor import compressor_decode_step, finish_rows, pool_windows
+from engine.kernels.compressor import compress_chunk, compressor_decode_step
 from engine.kernels.dispatch import splits_for, use_triton
 from engine.kernels.indexer import indexer_logits, indexer_logits_triton
+from engine.kernels.kv_format import main_page_rows
 from engine.kernels.kv_rows import decode_row_lists, write_main_rows, write_window_rows
 from engine.kernels.quant import index_queries, simulate_kv_row_fp8
 from engine.kernels.rope import rms_rope, rope
@@ -39,12 +40,18 @@ from engine.model.weight_formats import Formats, Unquantized
 PREFILL_BUDGET = 2**26
 
 
-def _ring_slots(slot: int, p0: int, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's ring slots: those of the window rows before it (read before it overwrites them) and of its last
-    window rows (written)."""
+def _ring_rows(slot: int, p0: int, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, ...]:
+    """A chunk's rows of the ring and of its span: the ring rows (of the slot's page) of the window rows before it,
+    read before it overwrites them; the ring slots of its last window rows, written; its own rows in the span, after
+    the window - 1 rows before it (int32)."""
     before = torch.arange(max(0, p0 - window + 1), p0, device=positions.device)
     tail = positions[-min(len(positions), window) :]
-    return slot * window + before % window, slot * window + tail % window
+    return before % window, slot * window + tail % window, (positions - (p0 - window + 1)).int()
+
+
+def _through_kernels(q: torch.Tensor) -> bool:
+    """Whether the prefill attention runs through the decode kernels (`Attention._prefill_kernels`)."""
+    return use_triton(q.device) and q.dtype != torch.float64
 
 
 class Compressor(nn.Module):
@@ -61,12 +68,13 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, self.width, dtype=torch.float32))
         self.norm = RMSNorm(dim, args.rms_norm_eps)
 
-    def compress(self, kv, score, positions: torch.Tensor, first: int, state, dtype: torch.dtype):
-        """Prefill path: one request's next tokens, from position `first`; the rows of the windows they close (dense,
-        [n, dim])."""
-        pooled = pool_windows(kv, score, positions, first, state[0], state[1], self.ape, self.ratio)
-        return finish_rows(pooled, first // self.ratio, self.ratio, self.norm.weight, self.norm.eps,
-                           self.rotary.inv_freq, self.for_indexer, self.quant_sim, dtype)  # fmt: skip
+    def compress(self, kv, score, positions: torch.Tensor, first: int, state, slots: torch.Tensor, out,
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        """Prefill path: one request's next tokens, from position `first`; the rows of the windows they close go to
+        physical `slots` of the cache's rows `out`."""
+        compress_chunk(kv, score, positions, first, state[0], state[1], self.ape, self.norm.weight, self.norm.eps,
+                       self.rotary.inv_freq, out.storage, slots, out.rows_per_page, self.ratio, self.for_indexer,
+                       self.quant_sim, dtype)  # fmt: skip
 
     def decode_step(self, kv, score, batch: ForwardBatch, state, out) -> None:
         """Decode path: one token per request; closed windows' rows go straight into the paged cache."""
@@ -186,7 +194,7 @@ class Attention(nn.Module):
             out = self._decode(q, kv_x, proj, batch)
         else:
             kv = self.rotary(self.kv_norm(kv_x), pos)
-            if self.quant_sim:
+            if self.quant_sim and not (self.kv.ring.fp8 and _through_kernels(q)):  # FP8 rows: encoding rounds it
                 kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
             parts = []
             for i, seq in enumerate(batch.states):
@@ -211,29 +219,47 @@ class Attention(nn.Module):
         # The window rows before this chunk, read before the chunk overwrites their ring slots, then the chunk's own,
         # front-padded to window - 1 rows: query i's window is rows i .. i + window - 1 of this span. The ring slots
         # are every layer's alike (each has its own ring): made once a step.
-        read, written = batch.per_step(("ring", i, window), self.layer_id,
-                                       lambda: _ring_slots(slot, p0, positions, window))  # fmt: skip
-        ring = cache.ring.read(read).to(kv.dtype)
-        span = torch.cat([kv.new_zeros(window - 1 - len(read), dim), ring, kv])
+        read, written, own_row = batch.per_step(("ring", i, window), self.layer_id,
+                                                lambda: _ring_rows(slot, p0, positions, window))  # fmt: skip
+        kernels = _through_kernels(q)
+        if kernels and cache.ring.fp8:
+            span = self._fp8_span(read, kv, slot, own_row)
+        else:
+            ring = cache.ring.read(read + slot * window).to(kv.dtype)
+            span = torch.cat([kv.new_zeros(window - 1 - len(read), dim), ring, kv])
         cache.ring.write(written, kv[-len(written) :])
         comp_slots = index_slots = None
         if self.compressor is not None:
-            n_old = p0 // self.ratio
-            new_rows = self.compressor.compress(*proj["comp"], positions, p0, cache.comp_state_of(slot), kv.dtype)
-            n, per_page = n_old + len(new_rows), cache.comp.rows_per_page
+            n_old, n = p0 // self.ratio, (p0 + len(positions)) // self.ratio
+            per_page = cache.comp.rows_per_page
             comp_slots = batch.per_step(("row slots", i, n, per_page), self.layer_id,
                                         lambda: batch.row_slots(i, 0, n, per_page))  # fmt: skip
-            cache.comp.write(comp_slots[n_old:], new_rows)
+            self.compressor.compress(*proj["comp"], positions, p0, cache.comp_state_of(slot), comp_slots[n_old:],
+                                     cache.comp, kv.dtype)  # fmt: skip
             if self.indexer is not None:
-                new_keys = self.indexer.compressor.compress(*proj["index"], positions, p0, cache.index_state_of(slot),
-                                                            kv.dtype)  # fmt: skip
                 # c4's index keys and compressed rows keep as many rows a page: the same slots
                 index_slots = (comp_slots if cache.index.rows_per_page == per_page
                                else batch.row_slots(i, 0, n, cache.index.rows_per_page))  # fmt: skip
-                cache.index.write(index_slots[n_old:], new_keys)
-        if use_triton(q.device) and q.dtype != torch.float64:
-            return self._prefill_kernels(q, proj, positions, p0, span, comp_slots, batch, i)
+                self.indexer.compressor.compress(*proj["index"], positions, p0, cache.index_state_of(slot),
+                                                 index_slots[n_old:], cache.index, kv.dtype)  # fmt: skip
+        if kernels:
+            return self._prefill_kernels(q, proj, positions, own_row, span, comp_slots, batch, i)
         return self._prefill_reference(q, proj, positions, span, comp_slots, index_slots)
+
+    def _fp8_span(self, ring_rows: torch.Tensor, kv: torch.Tensor, slot: int, own_row: torch.Tensor) -> torch.Tensor:
+        """The span in the ring's FP8 row format, `window` rows a page: the window rows before the chunk copied from
+        the ring as they are (their bytes: a row decoded and encoded again would be the same row), then the chunk's
+        rows encoded, after zero rows up to window - 1."""
+        ring, window = self.kv.ring, self.window
+        span = ring.storage.new_zeros(-(-(window - 1 + len(kv)) // window), ring.storage.shape[1])
+        if len(ring_rows):
+            at = window - 1 - len(ring_rows)  # rows before the chunk's own lie within the span's first page
+            pages = [main_page_rows(storage, page, window, ring.head_dim, ring.rope_dim)
+                     for storage, page in ((span, 0), (ring.storage, slot))]  # fmt: skip
+            for dst, src in zip(*pages, strict=True):
+                dst[at : at + len(ring_rows)] = src.index_select(0, ring_rows)
+        write_main_rows(span, own_row, kv, window, ring.rope_dim)
+        return span
 
     def _prefill_reference(self, q, proj, positions, span, comp_slots, index_slots) -> torch.Tensor:
         """The prefill attention in torch. Queries go in blocks sized so that no tensor of a block exceeds
@@ -269,7 +295,8 @@ class Attention(nn.Module):
             out[b] = attend_parts_with_sink(q[b], parts, self.sink, self.scale)
         return out
 
-    def _prefill_kernels(self, q, proj, positions, p0, span, comp_slots, batch: ForwardBatch, i: int) -> torch.Tensor:
+    def _prefill_kernels(self, q, proj, positions, own_row, span, comp_slots, batch: ForwardBatch,
+                         i: int) -> torch.Tensor:  # fmt: skip
         """The prefill attention through the decode kernels, each query one batch row: its window rows from the span
         (in the ring's row format, so FP8 rows hold what the ring holds), then the indexer's top-k of its c4 rows, or
         the c128 rows it sees (one list, a stride-0 row per query). c4 queries go in blocks whose index logits, one
@@ -280,16 +307,12 @@ class Attention(nn.Module):
         splits from that power of two, logits rows of whole pages, top-k lists of k columns, an aligned table, and
         rows shared by all queries with stride 0 also for one query (`expand` keeps a single row's own stride, which
         Triton specialises: the H200 compiled four variants after boot for one-token chunks)."""
-        cache, window, ring = self.kv, self.window, self.kv.ring
+        cache, window = self.kv, self.window
         # What the queries read is every layer's of this kind alike: made once a step.
-        positions, own_row, visible, lists, lengths, table, span_rows = batch.per_step(
+        positions, visible, lists, lengths, table = batch.per_step(
             ("query rows", i, self.ratio, window), self.layer_id,
-            lambda: self._query_rows(positions, p0, len(span), comp_slots, batch.page_table[i]),
+            lambda: self._query_rows(positions, comp_slots, batch.page_table[i]),
         )  # fmt: skip
-        if ring.fp8:  # the ring's encoder: it rounds as the ring's rows and the reference's simulation do
-            rows = ring.storage.new_empty(-(-len(span) // window), ring.storage.shape[1])
-            write_main_rows(rows, span_rows, span, window, ring.rope_dim)
-            span = rows
         comp_rows, rows_per_page, step = span, window, len(q)
         if self.compressor is not None:
             comp_rows, rows_per_page = cache.comp.storage, cache.comp.rows_per_page
@@ -318,13 +341,12 @@ class Attention(nn.Module):
                                            window_span=True, splits=splits)  # fmt: skip
         return out
 
-    def _query_rows(self, positions, p0, span_len, comp_slots, page_table):
-        """A request's chunk of queries as the prefill kernels read it: positions (int32), each query's own row of
-        the span, its visible compressed rows, the compressed rows' list (none: window-only, and c128 before its
-        first row; every row: c128, each query reads its visible ones; c4 picks each block's top-k) with each
-        query's length of it, the indexer's page table (c4), and the span's row indices (for its FP8 encoding)."""
+    def _query_rows(self, positions, comp_slots, page_table):
+        """A request's chunk of queries as the prefill kernels read it: positions (int32), its visible compressed
+        rows, the compressed rows' list (none: window-only, and c128 before its first row; every row: c128, each
+        query reads its visible ones; c4 picks each block's top-k) with each query's length of it, and the indexer's
+        page table (c4)."""
         positions = positions.int()
-        own_row = positions - (p0 - self.window + 1)
         visible = (positions + 1) // self.ratio if self.ratio else torch.zeros_like(positions)
         lists, lengths, table = torch.full((1, 1), -1, dtype=torch.int32, device=positions.device), visible, None
         if self.compressor is not None and self.indexer is None and comp_slots.numel():
@@ -332,8 +354,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             lengths = visible.clamp(max=self.indexer.topk)
             table = page_table.clone()  # a row of the batch's table sits at any offset
-        span_rows = torch.arange(span_len, device=positions.device)
-        return positions, own_row, visible, lists, lengths, table, span_rows
+        return positions, visible, lists, lengths, table
 
     def _decode(self, q, kv_x, proj, batch: ForwardBatch) -> torch.Tensor:
         """One token per request, batched, through the kernels (Triton on CUDA, the references elsewhere)."""

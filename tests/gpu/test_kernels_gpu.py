@@ -8,7 +8,12 @@ import torch
 
 from engine.cache.kv_cache import IndexKeys, MainRows
 from engine.kernels import sparse_attention
-from engine.kernels.compressor import compressor_decode_step_reference, compressor_decode_step_triton
+from engine.kernels.compressor import (
+    compress_chunk_reference,
+    compress_chunk_triton,
+    compressor_decode_step_reference,
+    compressor_decode_step_triton,
+)
 from engine.kernels.indexer import indexer_logits_reference, indexer_logits_triton
 from engine.kernels.quant import fp4_simulate
 from engine.kernels.sparse_attention import (
@@ -148,6 +153,44 @@ def test_compressor_decode_step_at_flash_sizes(ratio, for_indexer, dim, kv_dtype
 
     ref, got = run(compressor_decode_step_reference), run(compressor_decode_step_triton)
     differ = (ref - got).abs() > 1e-3 * ref.abs().amax()
+    assert differ.float().mean() < 1e-3  # only rounding flips from summing in another order
+
+
+@pytest.mark.parametrize(("ratio", "for_indexer", "dim"), [(4, False, 512), (4, True, 128), (128, False, 512)])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_compress_chunk_at_flash_sizes(ratio, for_indexer, dim, kv_dtype):
+    """A bf16 model's prefill chunks (one closing no window, one ending a window the state began, a long one, one
+    token) through the kernels and the reference: the state exactly, the rows up to rounding flips."""
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    pages, coff = 64, (2 if ratio == 4 else 1)
+    ape = torch.randn(ratio, coff * dim, device=DEV, generator=gen)
+    norm = torch.rand(dim, device=DEV, generator=gen) + 0.5
+    inv_freq = rope_inv_freq(64, 160000.0, None).to(DEV)
+    table = torch.randperm(pages, device=DEV, generator=gen)
+    chunks = [ratio - 1, 3, 2048 + ratio // 2, 1]
+
+    def run(chunk_fn):
+        out = IndexKeys(pages, dim, kv_dtype, DEV) if for_indexer else MainRows(pages, 256 // ratio, dim, 64,
+                                                                                kv_dtype, DEV)  # fmt: skip
+        kv_state = torch.zeros(coff * ratio, coff * dim, device=DEV)
+        score_state = torch.full((coff * ratio, coff * dim), float("-inf"), device=DEV)
+        inputs, first, states = torch.Generator(device=DEV).manual_seed(4), 0, []
+        for length in chunks:
+            kv = torch.randn(length, coff * dim, device=DEV, generator=inputs)
+            score = torch.randn(length, coff * dim, device=DEV, generator=inputs)
+            rows = torch.arange(first // ratio, (first + length) // ratio, device=DEV)
+            slots = table[rows // out.rows_per_page] * out.rows_per_page + rows % out.rows_per_page
+            chunk_fn(kv, score, torch.arange(first, first + length, device=DEV), first, kv_state, score_state, ape,
+                     norm, 1e-6, inv_freq, out.storage, slots, out.rows_per_page, ratio, for_indexer, True,
+                     torch.bfloat16)  # fmt: skip
+            first += length
+            states.append((kv_state.clone(), score_state.clone()))
+        return out.read(torch.arange(pages * out.rows_per_page, device=DEV)), states
+
+    (ref, ref_states), (got, got_states) = run(compress_chunk_reference), run(compress_chunk_triton)
+    for (ref_kv, ref_score), (got_kv, got_score) in zip(ref_states, got_states, strict=True):
+        assert torch.equal(got_kv, ref_kv) and torch.equal(got_score, ref_score)
+    differ = (ref - got).abs() > 1e-2 * ref.abs().amax()
     assert differ.float().mean() < 1e-3  # only rounding flips from summing in another order
 
 
