@@ -61,7 +61,12 @@ def test_watch_a_run_approve_it_with_waivers_and_roll_back(start_console, browse
 
     # Watch progress: the gate, its step and the time move without a reload.
     page.evaluate("window.flashgateNotReloaded = true")
-    expect(page.locator("#progress")).to_contain_text("Gate ", timeout=60_000)
+    try:
+        expect(page.locator("#progress")).to_contain_text("Gate ", timeout=60_000)
+    except AssertionError as error:  # a run that ended before its first gate: say why it ended
+        run = api.get(f"/api/qualifications/{run_b['id']}").json()
+        gates = {g["name"]: (g["status"], g.get("summary")) for g in run["gates"]}
+        raise AssertionError(f"run B is {run['status']}, gates {gates}") from error
     expect(page.locator(".gate-row.gate-passed").first).to_be_visible(timeout=60_000)
     page.screenshot(path=str(ARTIFACTS / "qualification-progress.png"), full_page=True)
     expect(page.locator("#run-live")).to_have_attribute("data-status", FINISHED, timeout=150_000)
