@@ -6,9 +6,11 @@ overlapping ratio-4 compressor, else 1). Overlapping: rows [0, ratio) hold the p
 features feed this window), rows [ratio, 2*ratio) the current one, slot ratio + pos % ratio; otherwise slot
 pos % ratio. Scores carry the learned position bias and start at -inf, so an empty previous window weighs nothing.
 
-`pool_windows` serves any number of tokens (prefill chunks); `compressor_decode_step` advances a batch of requests
-by one token each and writes the rows it closes into the paged cache; its Triton kernel is capture-safe (fixed
-grid, every request runs, those not closing a window only store their projections).
+`compress_chunk` takes one request's prefill chunk of any length and writes the rows it closes into the paged cache
+(the torch reference: `pool_windows`, `finish_rows`, then the row format's writer; the Triton path: a program per
+closed window, then one that moves the state on); `compressor_decode_step` advances a batch of requests by one token
+each likewise; its Triton kernel is capture-safe (fixed grid, every request runs, those not closing a window only
+store their projections).
 """
 
 from __future__ import annotations
@@ -138,15 +140,10 @@ def _compress_chunk_kernel(
         t = w * RATIO + k
     for f0 in range(0, DIM, BD):
         f = f0 + tl.arange(0, BD)
-        if OVERLAP:
-            col = tl.where(k[:, None] < RATIO, f[None, :], DIM + f[None, :])
-        else:
-            col = f[None, :] + 0 * k[:, None]
-        wkv, ws = _concat_rows(kv_ptr, score_ptr, ape_ptr, kv_state_ptr, score_state_ptr, t[:, None], col, stride_kv,
-                               stride_score, done, C, BASE, RATIO)  # fmt: skip
-        top = tl.max(ws, axis=0)
-        e = tl.exp(ws - top[None, :])
-        tl.store(pooled_ptr + w * DIM + f, tl.sum(wkv * e, axis=0) / tl.sum(e, axis=0))
+        wkv, ws = _concat_rows(kv_ptr, score_ptr, ape_ptr, kv_state_ptr, score_state_ptr, t[:, None],
+                               _window_columns(k, f, RATIO, DIM), stride_kv, stride_score, done, C, BASE,
+                               RATIO)  # fmt: skip
+        tl.store(pooled_ptr + w * DIM + f, _softmax_pool(wkv, ws))
     tl.debug_barrier()
     slot = tl.load(slot_ptr + w).to(tl.int64)
     _finish_and_store(tl.load(pooled_ptr + w * DIM + tl.arange(0, DIM)), first_row + w, slot // ROWS_PER_PAGE,
@@ -246,6 +243,24 @@ def _store_rows(out: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, rows
 
 
 @triton.jit
+def _window_columns(k, f, RATIO: tl.constexpr, DIM: tl.constexpr):
+    """The state's columns [COFF * RATIO, BD] of features f for a window's slots k: an overlapping window's first
+    RATIO slots are the previous window's first-half features, the others the second half."""
+    if RATIO == 4:
+        col = tl.where(k[:, None] < RATIO, f[None, :], DIM + f[None, :])
+    else:
+        col = f[None, :] + 0 * k[:, None]
+    return col
+
+
+@triton.jit
+def _softmax_pool(kv, score):
+    """Gated softmax pooling over a window's slots (axis 0)."""
+    e = tl.exp(score - tl.max(score, axis=0)[None, :])
+    return tl.sum(kv * e, axis=0) / tl.sum(e, axis=0)
+
+
+@triton.jit
 def _finish_and_store(
     x, row, page, r, norm_ptr, inv_freq_ptr, out_ptr, scale_out_ptr, hadamard_ptr, eps,
     RATIO: tl.constexpr, DIM: tl.constexpr, ROPE: tl.constexpr, ROWS_PER_PAGE: tl.constexpr,
@@ -337,15 +352,10 @@ def _compressor_step_kernel(
         w = tl.arange(0, COFF * RATIO)
         for f0 in range(0, DIM, BD):
             f = f0 + tl.arange(0, BD)
-            if OVERLAP:
-                col = tl.where(w[:, None] < RATIO, f[None, :], DIM + f[None, :])
-            else:
-                col = f[None, :] + 0 * w[:, None]
+            col = _window_columns(w, f, RATIO, DIM)
             wkv = tl.load(state_kv + w[:, None] * C + col)
             ws = tl.load(state_score + w[:, None] * C + col)
-            top = tl.max(ws, axis=0)
-            e = tl.exp(ws - top[None, :])
-            tl.store(pooled_ptr + b * DIM + f, tl.sum(wkv * e, axis=0) / tl.sum(e, axis=0))
+            tl.store(pooled_ptr + b * DIM + f, _softmax_pool(wkv, ws))
         tl.debug_barrier()
         row = (pos + 1) // RATIO - 1
         page = tl.load(pt_ptr + b * stride_ptb + row // ROWS_PER_PAGE).to(tl.int64)
