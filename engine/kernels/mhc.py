@@ -11,7 +11,7 @@ on hc_post and ~17 on hc_head. The Triton path splits hc_pre and hc_head into th
       mixes of the next hc_pre (or hc_head) in one launch and one read of the streams (`hc_post_mix`). The model
       passes the mixes along, so at every sublayer boundary of a decode step hc_pre is one launch.
   `_hc_mix_kernel`: the same mixes for a prefill chunk (more than FUSED_MIX_TOKENS tokens), a tl.dot over 16+ rows
-      and few K splits, after a plain hc_post.
+      (three TF32 products: fp32's precision) and K splits to fill the GPU four times over, after a plain hc_post.
   `_hc_weights_kernel`: per token, sums the splits, scales by 1/rms, takes the sigmoids and, for hc_pre, the softmax
       and Sinkhorn iterations on the 4x4 comb, one value per entry in each thread's registers; then the
       pre-weighted sum of the streams over its block of D. Every block of D recomputes the weights, so the sum is
@@ -173,7 +173,9 @@ def _hc_mix_kernel(
         x = tl.load(h_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=live[:, None] & in_k[None, :], other=0.0)
         x = x.to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=(m[None, :] < MIX) & in_k[:, None], other=0.0)
-        dots = tl.dot(x, w, dots, input_precision="ieee")  # TF32 would cost ~3e-4 on the mixes
+        # Three TF32 products (x's bf16 values are exact in TF32, fn's fp32 ones a TF32 pair): fp32's precision on the
+        # tensor cores ("ieee" runs on the FP32 units, a third as fast; one TF32 product costs ~3e-4 on the mixes)
+        dots = tl.dot(x, w, dots, input_precision="tf32x3")
         sq += tl.sum(x * x, axis=1)
     mix_offs = (n[:, None] * MIX + m[None, :]) * SPLITS + split
     tl.store(mix_ptr + mix_offs, dots, mask=live[:, None] & (m[None, :] < MIX))
@@ -191,7 +193,7 @@ def _hc_mix_prefill(streams: torch.Tensor, fn: torch.Tensor) -> HcMix:
     block_n = max(16, min(triton.next_power_of_2(n_tokens), tile // 64))  # tl.dot takes at least 16 rows
     n_blocks = triton.cdiv(n_tokens, block_n)
     # Splits for the power of two above the blocks: the tiling (the compiled variant) follows that of N alone.
-    splits = min(splits_for(triton.next_power_of_2(n_blocks), streams.device, waves=1, cap=64), max(1, k // 64))
+    splits = min(splits_for(triton.next_power_of_2(n_blocks), streams.device, waves=4, cap=64), max(1, k // 64))
     chunk = triton.cdiv(k, splits)
     block_k = min(triton.next_power_of_2(chunk), max(16, tile // block_n))
     chunk = triton.cdiv(chunk, block_k) * block_k

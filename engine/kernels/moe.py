@@ -448,19 +448,29 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None,
     return out
 
 
+# Launch parameters by the call's token count (bench/moe.py's sweep for decode batches; bench/results/prefix.md for
+# a cached turn's prefill): a decode batch gives an expert a few pairs; a prefill chunk gives it tens, which wider
+# tiles read from L2 fewer times over (each program of a kernel reads all of its expert's pairs).
+DECODE_LAUNCH = {"block_i": 32, "block_d": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+PREFILL_LAUNCH = {"block_i": 64, "block_d": 256, "block_k": 64, "num_warps": 8, "num_stages": 3}
+PREFILL_TOKENS = 64  # above this many tokens, PREFILL_LAUNCH
+
+
 def moe_expert_pairs_triton(
-    x, weights, ids, w1, w3, w2, limit, touched=None, remote=False, block_m: int | None = None, block_i: int = 32,
-    block_d: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 4,
+    x, weights, ids, w1, w3, w2, limit, touched=None, remote=False, block_m: int | None = None, **launch
 ):  # fmt: skip
     """Three launches: the counting sort (which counts the experts touched), then gate/up and down over the active
     experts (`remote`: the sort has a bucket E for the other ranks' picks, which no program computes, and the output
-    starts zeroed)."""
+    starts zeroed). `launch`: block_i, block_d, block_k, num_warps, num_stages instead of the defaults for N."""
     n, dim = x.shape
     n_experts, inter, _ = w1.shape
     top_k = ids.shape[1]
     pairs = n * top_k
     if pairs == 0:
         return torch.zeros(pairs, dim, dtype=x.dtype, device=x.device)
+    launch = (PREFILL_LAUNCH if n > PREFILL_TOKENS else DECODE_LAUNCH) | launch
+    block_i, block_d, block_k = launch["block_i"], launch["block_d"], launch["block_k"]
+    num_warps, num_stages = launch["num_warps"], launch["num_stages"]
     block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
     block_i, block_d = min(block_i, inter), min(block_d, dim)
     block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)

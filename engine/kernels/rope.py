@@ -57,27 +57,26 @@ def rms_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch
 @triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rope_kernel(
     x_ptr, pos_ptr, inv_freq_ptr, out_ptr, rows, rows_per_token, stride_token, eps,
-    D: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    D: tl.constexpr, ROPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     NORMALIZE: tl.constexpr, INVERSE: tl.constexpr,
 ):  # fmt: skip
-    """Rows of D channels, as even / odd pairs; rows_per_token rows share a position."""
+    """Rows of D channels, loaded and stored whole and split into even / odd pairs in registers (strided loads of
+    each half take twice as long); rows_per_token rows share a position."""
     row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.arange(0, BLOCK_P)
+    col = tl.arange(0, BLOCK_D)
     live = row < rows
-    mask = live[:, None] & (pair[None, :] < D // 2)
-    even_offs = row[:, None].to(tl.int64) * D + 2 * pair[None, :]
+    mask = live[:, None] & (col[None, :] < D)
     token, within = (row // rows_per_token).to(tl.int64), row % rows_per_token
-    even_in = (token * stride_token + within * D)[:, None] + 2 * pair[None, :]
-    even = tl.load(x_ptr + even_in, mask=mask, other=0.0)
-    odd = tl.load(x_ptr + even_in + 1, mask=mask, other=0.0)
+    x = tl.load(x_ptr + (token * stride_token + within * D)[:, None] + col[None, :], mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     if NORMALIZE:  # as rms_normalize: the fp32 1/rms is rounded to x's dtype, and so is the product
-        e, o = even.to(tl.float32), odd.to(tl.float32)
-        inv_rms = tl.rsqrt((tl.sum(e * e, axis=1) + tl.sum(o * o, axis=1)) / D + eps)
-        inv_rms = inv_rms.to(dtype).to(tl.float32)[:, None]
-        even, odd = (e * inv_rms).to(dtype), (o * inv_rms).to(dtype)
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps).to(dtype).to(tl.float32)[:, None]
+        x = (xf * inv_rms).to(dtype)
     else:
-        even, odd = even.to(dtype), odd.to(dtype)
+        x = x.to(dtype)
+    even, odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_D // 2, 2)))
+    pair = tl.arange(0, BLOCK_D // 2)
     first_rope_pair: tl.constexpr = (D - ROPE) // 2
     is_rope = (pair >= first_rope_pair) & (pair < D // 2)
     freq = tl.load(inv_freq_ptr + pair - first_rope_pair, mask=is_rope, other=0.0)
@@ -89,8 +88,8 @@ def _rope_kernel(
     e, o = even.to(tl.float32), odd.to(tl.float32)
     even = tl.where(is_rope[None, :], (e * cos - o * sin).to(dtype), even)
     odd = tl.where(is_rope[None, :], (e * sin + o * cos).to(dtype), odd)
-    tl.store(out_ptr + even_offs, even, mask=mask)
-    tl.store(out_ptr + even_offs + 1, odd, mask=mask)
+    y = tl.reshape(tl.join(even, odd), (BLOCK_M, BLOCK_D))
+    tl.store(out_ptr + row[:, None].to(tl.int64) * D + col[None, :], y, mask=mask)
 
 
 def _rope_launch(x, positions, inv_freq, eps, dtype, normalize: bool, inverse: bool) -> torch.Tensor:
@@ -100,10 +99,11 @@ def _rope_launch(x, positions, inv_freq, eps, dtype, normalize: bool, inverse: b
         x = x.contiguous()
     n_rows = x.numel() // dim
     out = torch.empty(n_rows, dim, dtype=dtype, device=x.device)
-    block_m = rows_per_program(n_rows, dim)
+    # Half a tile of rows: the split into pairs and the join back hold each row twice.
+    block_m = max(1, rows_per_program(n_rows, dim) // 2)
     _rope_kernel[(triton.cdiv(n_rows, block_m),)](
         x, positions, inv_freq, out, n_rows, n_rows // max(tokens, 1), x.stride(0) if x.dim() > 1 else dim, eps,
-        D=dim, ROPE=2 * inv_freq.shape[0], BLOCK_M=block_m, BLOCK_P=triton.next_power_of_2(dim // 2),
+        D=dim, ROPE=2 * inv_freq.shape[0], BLOCK_M=block_m, BLOCK_D=max(2, triton.next_power_of_2(dim)),
         NORMALIZE=normalize, INVERSE=inverse,
     )  # fmt: skip
     return out.view(x.shape)

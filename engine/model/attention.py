@@ -151,7 +151,7 @@ class Attention(nn.Module):
         self.kv: LayerKV | None = None  # this layer's share of the paged cache, bound at boot
         # Projections that read the same input, as few GEMMs as their formats allow: of x, wq_a, wkv and the
         # indexer's weights_proj (shared by all heads: replicated); of the normed q LoRA, wq_b (split by heads) and
-        # the indexer's wq_b; of x in fp32, the compressors' wkv and wgate.
+        # the indexer's wq_b; of x, with fp32 products, the compressors' wkv and wgate.
         dim, index = args.hidden_size, self.indexer
         x_members = [(f"{p}.wq_a", args.q_lora_rank, False), (f"{p}.wkv", self.head_dim, False)]
         qr_members = [(f"{p}.wq_b", args.num_attention_heads * self.head_dim, True)]
@@ -161,7 +161,7 @@ class Attention(nn.Module):
         self.x_proj = ProjectionGroup(dim, [(n, r, formats.linear(n), s) for n, r, s in x_members], shard)
         self.qr_proj = ProjectionGroup(args.q_lora_rank, [(n, r, formats.linear(n), s) for n, r, s in qr_members],
                                        shard)  # fmt: skip
-        fp32 = Unquantized(torch.float32)
+        fp32 = Unquantized(product=torch.float32)
         compressors = [(f"{p}.compressor", self.compressor), (f"{p}.indexer.compressor", index and index.compressor)]
         fp32_members = [(f"{name}.{w}", c.width, fp32, False) for name, c in compressors if c for w in ("wkv", "wgate")]
         self.x_fp32_proj = ProjectionGroup(dim, fp32_members, shard) if fp32_members else None
@@ -185,7 +185,7 @@ class Attention(nn.Module):
         proj = {}
         if self.compressor is not None:  # fp32 projections, as the reference runs them: (kv, gate score) pairs
             # (a float64 model's product is exact before the fp32 rounding, so it does not depend on chunking)
-            comp = [c.float() for c in self.x_fp32_proj(x if x.dtype == torch.float64 else x.float())]
+            comp = [c.float() for c in self.x_fp32_proj(x)]
             proj["comp"] = (comp[0], comp[1])
             if self.indexer is not None:
                 proj["index"] = (comp[2], comp[3])
@@ -203,7 +203,7 @@ class Attention(nn.Module):
                 parts.append(self._prefill(q[r], kv[r], chunk, pos[r], seq, batch, i))
                 if i in batch.snapshots_after:  # the slot as it is at the boundary, before the next row moves on
                     self.kv.copy_slots(*batch.snapshots_after[i])
-            out = torch.cat(parts)
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)

@@ -98,19 +98,17 @@ class WeightFormat:
 
 @dataclass(frozen=True)
 class Unquantized(WeightFormat):
-    """A plain float weight `weight` [rows, cols]: the model's dtype, or `dtype` when pinned (the compressors'
-    projections stay fp32, as the reference runs them). A checkpoint that stores the member in FP8 (with its block
-    scale) or as packed FP4 is dequantized here, on load, to that dtype."""
+    """A plain float weight `weight` [rows, cols] in the model's dtype. `product`: the dtype the product comes out in
+    when wider than the model's: the compressors' projections keep their bf16 weights, as the checkpoint stores
+    them, and run in fp32, as the reference runs them (for bf16 inputs a bf16 GEMM that sums and returns fp32 is
+    that product, on the tensor cores). A checkpoint that stores the member in FP8 (with its block scale) or as
+    packed FP4 is dequantized here, on load, to the model's dtype."""
 
-    dtype: torch.dtype | None = None
-
-    @property
-    def follows_model_dtype(self) -> bool:
-        return self.dtype is None
+    product: torch.dtype | None = None
 
     def create(self, rows, cols, experts=None):
         shape = (rows, cols) if experts is None else (experts, rows, cols)
-        return {"weight": nn.Parameter(torch.zeros(shape, dtype=self.dtype), requires_grad=False)}
+        return {"weight": nn.Parameter(torch.zeros(shape), requires_grad=False)}
 
     def load(self, params, stored, full, src, dst_row):
         weight = _plain_weight(stored)
@@ -123,9 +121,14 @@ class Unquantized(WeightFormat):
         return {"weight": params["weight"][row : row + rows]}
 
     def linear(self, params, x):
-        # A float64 model (tests) runs its fp32 projections in float64 too, so results do not depend on chunking.
-        weight = params["weight"].to(x.dtype)
-        return at_gemm_rows(lambda rows: F.linear(rows, weight), x)
+        weight = params["weight"]
+        # A float64 model (tests) runs its fp32 products in float64, so results do not depend on chunking.
+        out = x.dtype if self.product is None else torch.promote_types(x.dtype, self.product)
+        if out == x.dtype:
+            return at_gemm_rows(lambda rows: F.linear(rows, weight), x)
+        if x.is_cuda and x.dim() == 2:
+            return at_gemm_rows(lambda rows: torch.mm(rows, weight.T, out_dtype=out), x)
+        return at_gemm_rows(lambda rows: F.linear(rows.to(out), weight.to(out)), x)
 
     def grouped_linear(self, params, x):
         weight = params["weight"].view(x.shape[1], -1, x.shape[2]).to(x.dtype)

@@ -159,8 +159,9 @@ def decode_launches(model, monkeypatch) -> dict[int, list[collections.Counter]]:
 
 
 # Launches per layer at batch 1: window-only, c4 (with the indexer), c128; was 19, 80, 35. The first layer of each
-# kind makes the kind's compressed-row lists for the whole step (one launch more).
-LAUNCH_BUDGET = {0: 10, 4: 29, 128: 13}
+# kind makes the kind's compressed-row lists for the whole step (one launch more). Counted on the CPU, where the
+# compressors' bf16 weights are cast for their fp32 product (one op more than CUDA's mm with an fp32 output).
+LAUNCH_BUDGET = {0: 10, 4: 30, 128: 14}
 
 
 def test_decode_launches_per_layer_kind(tiny_bf16, monkeypatch):

@@ -91,7 +91,8 @@ def test_a_projection_group_merges_members_of_one_format_and_keeps_their_order()
     plain = [(name, len(tensors["weight"]), Unquantized(), False) for name, tensors in stored.items()]
     one = _load_group(ProjectionGroup(16, plain, Shard()), stored)
     assert len(one.parts) == 1 and one.parts[0].weight.shape == (14, 16)
-    mixed = ProjectionGroup(16, [("p.a", 8, Unquantized(), False), ("p.b", 4, Unquantized(torch.float64), False),
+    wide = Unquantized(product=torch.float64)
+    mixed = ProjectionGroup(16, [("p.a", 8, Unquantized(), False), ("p.b", 4, wide, False),
                                  ("p.c", 2, Unquantized(), False)], Shard())  # fmt: skip
     _load_group(mixed, stored)
     assert [part.names for part in mixed.parts] == [["p.a", "p.c"], ["p.b"]]
@@ -124,10 +125,10 @@ def test_the_model_names_its_tensors_as_the_checkpoint_does():
     assert "layers.0.hc_attn_fn" in plain_tensors(model) and "layers.0.ffn.gate.tid2eid" in tensors
     stored = sum(t.numel() for t in tensors.values() if t.dtype != torch.int64)
     assert stored == sum(p.numel() for p in model.parameters())  # each parameter element under exactly one name
-    model.cast(torch.bfloat16)
-    assert (
-        attn.x_fp32_proj.parts[0].weight.dtype == torch.float32 and attn.x_proj.parts[0].weight.dtype == torch.bfloat16
-    )
+    model.cast(torch.bfloat16)  # the compressors' weights too (bf16 in the checkpoint); their products stay fp32
+    assert attn.x_fp32_proj.parts[0].weight.dtype == attn.x_proj.parts[0].weight.dtype == torch.bfloat16
+    x = torch.randn(3, TINY_CONFIG["hidden_size"], generator=GEN).bfloat16()
+    assert all(out.dtype == torch.float32 for out in attn.x_fp32_proj(x))
 
 
 def test_an_unquantized_format_dequantizes_an_fp8_member_it_is_given():

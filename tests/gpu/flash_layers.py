@@ -27,6 +27,6 @@ def flash_attention(ratio: int, device: str = "cuda") -> Attention:
                 p.copy_(torch.randn_like(p) * 0.5)
             else:
                 p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
-            if not (name.endswith(("norm.weight", "attn_sink", "ape")) or "x_fp32_proj" in name):
+            if not name.endswith(("norm.weight", "attn_sink", "ape")):
                 p.data = p.data.bfloat16()
     return attn

@@ -95,14 +95,15 @@ def test_merged_projections_against_separate_gemms(ratio):
     groups = {"x": attn.x_proj, "qr": attn.qr_proj, "x_fp32": attn.x_fp32_proj}
     for batch in (1, 16, 64):
         x = torch.randn(batch, ARGS.hidden_size, device=DEV).bfloat16()
-        inputs = {"x": x, "qr": torch.randn(batch, ARGS.q_lora_rank, device=DEV).bfloat16(), "x_fp32": x.float()}
+        inputs = {"x": x, "qr": torch.randn(batch, ARGS.q_lora_rank, device=DEV).bfloat16(), "x_fp32": x}
         for name, group in groups.items():
             if group is None:
                 continue
             for part in group.parts:
                 weights = [entry.stored()["weight"] for entry in part.weight_entries()]
                 for got, member, weight in zip(part.split(inputs[name]), part.names, weights, strict=True):
-                    want = F.linear(inputs[name], weight)
+                    # the compressors' members: bf16 weights, fp32 products
+                    want = F.linear(x.float(), weight.float()) if name == "x_fp32" else F.linear(inputs[name], weight)
                     print(
                         f"ratio {ratio} batch {batch} {member} {tuple(weight.shape)}: bitwise equal "
                         f"{torch.equal(got, want)}, max diff {(got.float() - want.float()).abs().max().item():.3g}"
