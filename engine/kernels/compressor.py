@@ -117,7 +117,9 @@ def _concat_rows(kv_ptr, score_ptr, ape_ptr, state_kv, state_score, t, col, stri
     return kv, score
 
 
-@triton.jit
+# Counts and offsets are runtime arguments Triton does not specialise on (a value of 1 would compile a variant of its
+# own after boot's warm-up: a one-token chunk leaves one row of a window).
+@triton.jit(do_not_specialize=["done", "first_row"])
 def _compress_chunk_kernel(
     kv_ptr, score_ptr, ape_ptr, norm_ptr, inv_freq_ptr, kv_state_ptr, score_state_ptr, slot_ptr, out_ptr,
     scale_out_ptr, hadamard_ptr, pooled_ptr, stride_kv, stride_score, done, first_row, eps,
@@ -151,7 +153,7 @@ def _compress_chunk_kernel(
                       DIM, ROPE, ROWS_PER_PAGE, FOR_INDEXER, QUANT_SIM, FP8_OUT, ROUND_BF16)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["done", "closed", "left"])
 def _compress_chunk_state_kernel(
     kv_ptr, score_ptr, ape_ptr, kv_state_ptr, score_state_ptr, stride_kv, stride_score, done, closed, left,
     RATIO: tl.constexpr, C: tl.constexpr,
