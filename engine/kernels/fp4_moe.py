@@ -80,20 +80,56 @@ def moe_expert_pairs_fp4_reference(x, weights, ids, w1: PackedFp4, w3: PackedFp4
     )  # fmt: skip
 
 
+# MXFP4 codes to bf16 in PTX (sm_80 and later), four bytes a word. A byte permute puts bytes 0 and 1 in the low byte
+# of each 16-bit half and bytes 2 and 3 in the high byte; then nibble j of both halves at once has its sign moved to
+# bit 15 and its exponent and mantissa bits to bits 6-8 of a bf16 lane, which then holds the e2m1 value times
+# 2**-126, exactly (0.5 lands on a bf16 subnormal); one bf16x2 FMA by 2**126 and one by the block's 2**(scale - 127),
+# both exact (-0 added keeps the zeros' signs). Each output lane depends on its own byte and scale only: Triton packs
+# a thread's registers, which need not be neighbours in the tensor. About three instructions a value, against the
+# e4m3 route's six.
+_E2M1_TO_BF16X2 = tl.constexpr("""{
+    .reg .b32 w, t, u, z, bias;
+    mov.b32 z, 0x80008000;
+    mov.b32 bias, 0x7E807E80;
+    prmt.b32 w, $4, 0, 0x3120;
+    shl.b32 t, w, 12; and.b32 t, t, 0x80008000; shl.b32 u, w, 6; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $0, t, $5, z;
+    shl.b32 t, w, 8; and.b32 t, t, 0x80008000; shl.b32 u, w, 2; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $2, t, $5, z;
+    shl.b32 t, w, 4; and.b32 t, t, 0x80008000; shr.b32 u, w, 2; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $1, t, $6, z;
+    and.b32 t, w, 0x80008000; shr.b32 u, w, 6; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $3, t, $6, z;
+}""")
+
+
 @triton.jit
-def _upcast(codes, scale, global_scale, NV: tl.constexpr, DTYPE: tl.constexpr):
+def _upcast(codes, scale, global_scale, NV: tl.constexpr, DTYPE: tl.constexpr, BF16X2: tl.constexpr):
     """codes uint8 [ROWS, B, g/2] (B blocks of g values), scale uint8 [ROWS, B] (ue8m0 bytes, or e4m3 bytes when NV,
     with the expert's fp32 `global_scale`) -> (even, odd) [ROWS, B * g/2] in DTYPE: the low and the high nibbles'
-    values. e4m3 -> fp32, the scaling multiply in fp32, then DTYPE: Triton 3.6 converts e4m3 to bf16 through an
-    instruction sm_89 lacks, and its interpreter's bf16 products are wrong."""
+    values.
+
+    BF16X2 (MXFP4 into bf16, on a GPU): _E2M1_TO_BF16X2. Otherwise the nibble's bits placed into e4m3 bits (sign ->
+    bit 7, e and m -> bits 2-4) give the e2m1 value times 2**-6, e4m3 -> fp32, the scaling multiply in fp32, then
+    DTYPE: Triton 3.6 converts e4m3 to bf16 through an instruction sm_89 lacks, and its interpreter's bf16 products are
+    wrong."""
+    rows: tl.constexpr = codes.shape[0]
+    width: tl.constexpr = codes.shape[1] * codes.shape[2]
+    if BF16X2:
+        # 2**(scale - 127) as bf16: the exponent field, or the subnormal 2**-127 for a zero byte
+        factor = tl.where(scale > 0, scale.to(tl.int16) << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        factor = tl.broadcast_to(factor[:, :, None], codes.shape)
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_TO_BF16X2, "=r,=r,=r,=r,r,r,r", [codes, factor], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=4,
+        )  # fmt: skip
+        return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
     low = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
     high = (codes & 0x80) | ((codes >> 2) & 0x1C)
     if NV:
         factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * global_scale * 64.0)[:, :, None]
     else:
         factor = pow2(scale.to(tl.int32) - 121)[:, :, None]
-    rows: tl.constexpr = codes.shape[0]
-    width: tl.constexpr = codes.shape[1] * codes.shape[2]
     even = (low.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
     odd = (high.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
     return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
@@ -115,7 +151,7 @@ def _fp4_gate_up_kernel(
     x_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, pair_ptr, weights_ptr, active_ptr, offsets_ptr, h_ptr,
     stride_xn, stride_we, stride_wi, stride_se, stride_si, stride_hm, limit,
     E: tl.constexpr, TOP_K: tl.constexpr, D: tl.constexpr, CLAMP: tl.constexpr, G: tl.constexpr, NV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
 ):  # fmt: skip
     """moe._gate_up_kernel over packed weights: one expert's rows [tile * BLOCK_I, +BLOCK_I) of w1 and w3 against all
     of that expert's pairs, transposed (weights as the dot's M side). g1, g3: the global scales when NV."""
@@ -136,15 +172,20 @@ def _fp4_gate_up_kernel(
             x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + even[:, None]  # [BLOCK_K / 2, BLOCK_M]
             gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
             up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+            # Triton pipelines the code tiles but not these narrow loads: each is issued a K step ahead
+            x_even = tl.load(x_ptrs, mask=valid[None, :], other=0.0)
+            x_odd = tl.load(x_ptrs + 1, mask=valid[None, :], other=0.0)
+            sc1, sc3 = tl.load(s1_ptr + s_offs), tl.load(s3_ptr + s_offs)
             for k0 in range(0, D, BLOCK_K):
-                x_even = tl.load(x_ptrs + k0, mask=valid[None, :], other=0.0)
-                x_odd = tl.load(x_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
-                g_even, g_odd = _upcast(tl.load(w1_ptr + w_offs + k0 // 2), tl.load(s1_ptr + s_offs + k0 // G), g1,
-                                        NV, dtype)  # fmt: skip
-                u_even, u_odd = _upcast(tl.load(w3_ptr + w_offs + k0 // 2), tl.load(s3_ptr + s_offs + k0 // G), g3,
-                                        NV, dtype)  # fmt: skip
+                k1 = tl.minimum(k0 + BLOCK_K, D - BLOCK_K)  # the next step's (the last step reloads its own)
+                x_even_next = tl.load(x_ptrs + k1, mask=valid[None, :], other=0.0)
+                x_odd_next = tl.load(x_ptrs + k1 + 1, mask=valid[None, :], other=0.0)
+                sc1_next, sc3_next = tl.load(s1_ptr + s_offs + k1 // G), tl.load(s3_ptr + s_offs + k1 // G)
+                g_even, g_odd = _upcast(tl.load(w1_ptr + w_offs + k0 // 2), sc1, g1, NV, dtype, BF16X2)
+                u_even, u_odd = _upcast(tl.load(w3_ptr + w_offs + k0 // 2), sc3, g3, NV, dtype, BF16X2)
                 gate = _dot(g_odd, x_odd, _dot(g_even, x_even, gate, F32_DOT), F32_DOT)
                 up = _dot(u_odd, x_odd, _dot(u_even, x_even, up, F32_DOT), F32_DOT)
+                x_even, x_odd, sc1, sc3 = x_even_next, x_odd_next, sc1_next, sc3_next
             if CLAMP:
                 gate = tl.minimum(gate, limit)
                 up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -157,7 +198,7 @@ def _fp4_down_kernel(
     h_ptr, w2_ptr, s2_ptr, g2_ptr, pair_ptr, active_ptr, offsets_ptr, y_ptr,
     stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
     E: tl.constexpr, INTER: tl.constexpr, G: tl.constexpr, NV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
 ):  # fmt: skip
     """moe._down_kernel over packed weights: one expert's rows [tile * BLOCK_D, +BLOCK_D) of w2 against all of that
     expert's pairs."""
@@ -176,12 +217,17 @@ def _fp4_down_kernel(
             pair = tl.load(pair_ptr + rows, mask=valid, other=0)
             h_ptrs = h_ptr + rows[None, :] * stride_hm + even[:, None]
             acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                h_even = tl.load(h_ptrs + k0, mask=valid[None, :], other=0.0)
-                h_odd = tl.load(h_ptrs + k0 + 1, mask=valid[None, :], other=0.0)
-                w_even, w_odd = _upcast(tl.load(w2_ptr + w_offs + k0 // 2), tl.load(s2_ptr + s_offs + k0 // G), g2,
-                                        NV, dtype)  # fmt: skip
+            h_even = tl.load(h_ptrs, mask=valid[None, :], other=0.0)
+            h_odd = tl.load(h_ptrs + 1, mask=valid[None, :], other=0.0)
+            sc2 = tl.load(s2_ptr + s_offs)
+            for k0 in range(0, INTER, BLOCK_K):  # the narrow loads a step ahead, as in _fp4_gate_up_kernel
+                k1 = tl.minimum(k0 + BLOCK_K, INTER - BLOCK_K)
+                h_even_next = tl.load(h_ptrs + k1, mask=valid[None, :], other=0.0)
+                h_odd_next = tl.load(h_ptrs + k1 + 1, mask=valid[None, :], other=0.0)
+                sc2_next = tl.load(s2_ptr + s_offs + k1 // G)
+                w_even, w_odd = _upcast(tl.load(w2_ptr + w_offs + k0 // 2), sc2, g2, NV, dtype, BF16X2)
                 acc = _dot(w_odd, h_odd, _dot(w_even, h_even, acc, F32_DOT), F32_DOT)
+                h_even, h_odd, sc2 = h_even_next, h_odd_next, sc2_next
             tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
 
 
@@ -191,11 +237,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def moe_expert_pairs_fp4_triton(
     x, weights, ids, w1: PackedFp4, w3: PackedFp4, w2: PackedFp4, limit, touched=None, remote=False,
-    block_m: int | None = None, block_i: int = 32, block_d: int = 64, block_k: int = 256, num_warps: int = 4,
-    num_stages: int = 4,
+    block_m: int | None = None, block_i: int = 64, block_d: int = 64, block_k: int = 128, num_warps: int = 4,
+    num_stages: int = 3, bf16x2: bool = True,
 ):  # fmt: skip
     """Three launches, as moe.moe_expert_pairs_triton: the counting sort (which counts the experts touched), then
-    gate/up and down over the active experts. block_k counts values (two a byte), a multiple of 32."""
+    gate/up and down over the active experts. block_k counts values (two a byte), a multiple of 32. bf16x2=False takes
+    the e4m3 route for MXFP4 into bf16 too (bench/quant.py compares the two)."""
     n, dim = x.shape
     n_experts, inter, _ = w1.codes.shape
     top_k, group, nv = ids.shape[1], w1.block, w1.global_scale is not None
@@ -220,18 +267,19 @@ def moe_expert_pairs_fp4_triton(
     order, offsets, active, y = sort_pairs(ids, n_experts, touched, remote, dim, x)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
     f32_dot = x.dtype == torch.float32 or interpreting()
+    bf16x2 = bf16x2 and x.dtype == torch.bfloat16 and not nv and not interpreting()
     _fp4_gate_up_kernel[(len(active), inter // block_i)](
         x, c1, s1, g1, c3, s3, g3, order, weights.reshape(-1), active, offsets, h,
         x.stride(0), c1.stride(0), c1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), limit,
         E=n_experts, TOP_K=top_k, D=dim, CLAMP=limit > 0, G=group, NV=nv,
-        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot,
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot, BF16X2=bf16x2,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _fp4_down_kernel[(len(active), dim // block_d)](
         h, c2, s2, g2, order, active, offsets, y,
         h.stride(0), c2.stride(0), c2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         E=n_experts, INTER=inter, G=group, NV=nv,
-        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot,
+        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot, BF16X2=bf16x2,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
