@@ -13,8 +13,10 @@ block goes unpromoted). The result is rounded once to the output dtype.
   block gets a tiny finite scale and zero codes, never NaN), codes round-to-nearest-even, saturated at ±448. DeepSeek's
   kernels floor amax at 1e-4 instead; only blocks whose every |x| < 1e-4 round differently, to within their scale.
 - Decode (M <= DECODE_MAX_M): one kernel reads the weight once, spread over N tiles and splits of K (split-K where the
-  N tiles alone would not fill the GPU, its fp32 partials summed in a fixed order by a second launch), quantizing its
-  tokens' activations in registers as it goes: the e4m3 weight streams at memory bandwidth.
+  N tiles alone would not fill the GPU, its fp32 partials summed in a fixed order by a second launch). Up to
+  QUANTIZE_FIRST_M tokens it quantizes their activations in registers as it goes; past that every program would redo
+  the quantization of all tokens for each of its K blocks (at M = 64 it, not the weight, set the time:
+  bench/results/quant.md), so the activations are quantized once by their own launch first.
 - Prefill: the activations are quantized once by their own launch, then a tiled GEMM runs the FP8 tensor cores
   (tl.dot on e4m3 operands), promoting per K block as above.
 
@@ -36,6 +38,7 @@ from engine.kernels.scales import pow2
 
 BLOCK = 128  # the checkpoint's block: weight scales per 128x128, activation scales per 128 channels
 DECODE_MAX_M = 64  # rows up to this many take the weight-streaming decode kernel
+QUANTIZE_FIRST_M = 16  # past this many, the decode kernel reads activations quantized by their own launch
 FP8_TINY = torch.finfo(torch.float32).tiny * FP8_MAX  # the amax floor of quant.block_scales
 
 
@@ -161,15 +164,16 @@ def _dot_fp8(a, b, F32_DOT: tl.constexpr):
 # One variant for any token count and any split length (the decode batch varies; graphs are captured per size).
 @triton.jit(do_not_specialize=["M", "kb_per_split"])
 def _decode_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, K, kb_per_split,
-    stride_xm, stride_xg, stride_wn, stride_s, stride_om, stride_os,
-    R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr,
+    x_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, M, K, kb_per_split,
+    stride_xm, stride_xg, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_os,
+    R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr, QUANTIZED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     """Program (group g * TILES + tile, split): weight rows [tile * BLOCK_N, +BLOCK_N) of group g against all M
     tokens over K blocks [split * kb_per_split, +kb_per_split). Computed transposed (weight rows as the dot's M side)
-    so the tile stays MMA-shaped for few tokens. The tokens' activations are quantized here, block by block. With K
-    split, out is fp32 partials [splits, M, G * R] (summed by _sum_splits_kernel); otherwise the result [M, G * R]."""
+    so the tile stays MMA-shaped for few tokens. The tokens' activations are quantized here, block by block, or with
+    QUANTIZED x holds e4m3 codes and sa their scales (_quantize_kernel's). With K split, out is fp32 partials
+    [splits, M, G * R] (summed by _sum_splits_kernel); otherwise the result [M, G * R]."""
     g = tl.program_id(0) // TILES
     n = (tl.program_id(0) % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = g * R + n
@@ -177,14 +181,19 @@ def _decode_kernel(
     c = tl.arange(0, 128)
     live_n, live_m = n < R, m < M
     x_ptrs = x_ptr + g * stride_xg + m[:, None] * stride_xm + c[None, :]
+    sa_ptrs = sa_ptr + g * stride_sag + m * stride_sam
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + c[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     kb_start = tl.program_id(1) * kb_per_split
     kb_end = tl.minimum(kb_start + kb_per_split, tl.cdiv(K, 128))
     for kb in range(kb_start, kb_end):
         k = kb * 128 + c
-        xt = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        codes, act_scale = _quantize_block(xt, TINY, F32_DOT)
+        if QUANTIZED:
+            codes = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & (k < K)[None, :], other=0.0)
+            act_scale = tl.load(sa_ptrs + kb, mask=live_m, other=1.0)
+        else:
+            xt = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            codes, act_scale = _quantize_block(xt, TINY, F32_DOT)
         w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & (k < K)[None, :], other=0.0)
         partial = _dot_fp8(w, tl.trans(codes), F32_DOT)
         acc += partial * act_scale[None, :] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[:, None]
@@ -264,11 +273,18 @@ def _multiprocessors(device: torch.device) -> int:
 
 def decode_splits(tiles: int, k_blocks: int, m: int, device: torch.device) -> int:
     """Splits of K for the decode kernel: enough programs to fill the GPU about twice over, fewer where the fp32
-    partials (written and read back, 8 bytes a token and row a split) would pass a tenth of the weight's bytes."""
+    partials (written and read back, 8 bytes a token and row a split; they stay in L2) would pass half the weight's
+    bytes. At 64 tokens a tenth (the rule before) left wo_b and the shared expert one split: half the GPU idle."""
     want = triton.cdiv(2 * _multiprocessors(device), tiles)
-    affordable = max(1, (k_blocks * BLOCK) // (80 * max(m, 1)))
+    affordable = max(1, (k_blocks * BLOCK) // (16 * max(m, 1)))
     splits = max(1, min(want, affordable, k_blocks))
     return triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))  # spread the blocks evenly
+
+
+def decode_block_n(rows: int, m: int, device: torch.device) -> int:
+    """Weight rows a decode program: 64, or 128 past QUANTIZE_FIRST_M tokens where 64-row tiles alone would fill
+    the GPU twice over (wq_b), which halves how often the activations are read (bench/results/quant.md)."""
+    return 128 if m > QUANTIZE_FIRST_M and triton.cdiv(rows, 64) >= 2 * _multiprocessors(device) else 64
 
 
 def decode_stages(device: torch.device, m: int) -> int:
@@ -287,8 +303,26 @@ def prefill_stages(device: torch.device) -> int:
     return 4 if shared_memory_limit(device) >= 200 * 1024 else 2
 
 
-def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, num_warps=None, num_stages=None):
-    """x [M, G, K] (any strides with unit K stride) -> out [M, G, rows] (contiguous)."""
+def _quantize(x, groups: int):
+    """x [M, G, K] -> (e4m3 codes [M * G, K], fp32 scales [M * G, K blocks]) in one launch."""
+    m, _, k = x.shape
+    flat = x if x.stride(0) == groups * k and x.stride(1) == k else x.contiguous()
+    flat = flat.view(m * groups, k)
+    codes = torch.empty(m * groups, k, dtype=torch.float8_e4m3fn, device=x.device)
+    act_scale = torch.empty(m * groups, triton.cdiv(k, BLOCK), dtype=torch.float32, device=x.device)
+    quant_rows = 32
+    if m:
+        _quantize_kernel[(triton.cdiv(m * groups, quant_rows), triton.cdiv(k, BLOCK))](
+            flat, codes, act_scale, m * groups, k, flat.stride(0),
+            ROWS=quant_rows, TINY=FP8_TINY, EXACT_CAST=interpreting(), num_warps=4,
+        )  # fmt: skip
+    return codes, act_scale
+
+
+def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, num_warps=None, num_stages=None,
+            quantize_first=None):  # fmt: skip
+    """x [M, G, K] (any strides with unit K stride) -> out [M, G, rows] (contiguous). quantize_first (decode): the
+    activations quantized by their own launch rather than in each program (default past QUANTIZE_FIRST_M tokens)."""
     m, _, k = x.shape
     device = x.device
     k_blocks = triton.cdiv(k, BLOCK)
@@ -298,17 +332,24 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
     f32_dot = interpreting()
     if m <= DECODE_MAX_M:
         block_m = max(16, triton.next_power_of_2(m))
-        block_n = block_n or (64 if m <= 16 else 128)
+        block_n = block_n or decode_block_n(groups * rows, m, device)
         tiles = triton.cdiv(rows, block_n)
         splits = splits or decode_splits(groups * tiles, k_blocks, m, device)
         kb_per_split = triton.cdiv(k_blocks, splits)
         splits = triton.cdiv(k_blocks, kb_per_split)
         target = out if splits == 1 else torch.empty(splits, m, groups * rows, dtype=torch.float32, device=device)
+        quantized = m > QUANTIZE_FIRST_M if quantize_first is None else quantize_first
+        if quantized:
+            codes, act_scale = _quantize(x, groups)
+            a, a_strides = codes, (groups * k, k, groups * k_blocks, k_blocks)
+        else:
+            a, act_scale, a_strides = x, x, (x.stride(0), x.stride(1), 0, 0)  # x stands in for the unread scales
         _decode_kernel[(groups * tiles, splits)](
-            x, w, s, target, m, k, kb_per_split,
-            x.stride(0), x.stride(1), w.stride(0), s.stride(0), groups * rows, target.stride(0) if splits > 1 else 0,
-            R=rows, TILES=tiles, E8M0=e8m0, BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=f32_dot,
-            TINY=FP8_TINY, num_warps=num_warps or 4, num_stages=num_stages or decode_stages(device, m),
+            a, act_scale, w, s, target, m, k, kb_per_split,
+            *a_strides, w.stride(0), s.stride(0), groups * rows, target.stride(0) if splits > 1 else 0,
+            R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, BLOCK_M=block_m, BLOCK_N=block_n,
+            F32_DOT=f32_dot, TINY=FP8_TINY, num_warps=num_warps or 4,
+            num_stages=num_stages or decode_stages(device, m),
         )  # fmt: skip
         if splits > 1:
             width, block = groups * rows, 1024
@@ -316,23 +357,7 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
                 target, out, m, target.stride(0), WIDTH=width, SPLITS=splits, BLOCK=block, num_warps=4
             )
         return out
-    flat = x if x.stride(0) == groups * k and x.stride(1) == k else x.contiguous()
-    flat = flat.view(m * groups, k)
-    codes = torch.empty(m * groups, k, dtype=torch.float8_e4m3fn, device=device)
-    act_scale = torch.empty(m * groups, k_blocks, dtype=torch.float32, device=device)
-    quant_rows = 32
-    _quantize_kernel[(triton.cdiv(m * groups, quant_rows), k_blocks)](
-        flat,
-        codes,
-        act_scale,
-        m * groups,
-        k,
-        flat.stride(0),
-        ROWS=quant_rows,
-        TINY=FP8_TINY,
-        EXACT_CAST=f32_dot,
-        num_warps=4,
-    )
+    codes, act_scale = _quantize(x, groups)
     block_m, block_n = 128, block_n or 128
     grid = (triton.cdiv(m, block_m) * triton.cdiv(rows, block_n), groups)
     _prefill_kernel[grid](
@@ -345,8 +370,9 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
 
 
 def fp8_block_linear_triton(x, weight, scale, out_dtype=None, **launch):
-    """fp8_block_linear_reference in one or two launches (decode: the GEMM, plus the splits' sum when K is split;
-    prefill: the activations' quantization, then the GEMM). `launch`: block_n=, splits=, num_warps=, num_stages=."""
+    """fp8_block_linear_reference in one to three launches (decode: the activations' quantization past
+    QUANTIZE_FIRST_M tokens, the GEMM, the splits' sum when K is split; prefill: the quantization, then the GEMM).
+    `launch`: block_n=, splits=, num_warps=, num_stages=, quantize_first=."""
     m, k = x.shape
     _check(weight, scale, k)
     n = weight.shape[0]
@@ -376,16 +402,9 @@ def fp8_block_grouped_linear_triton(x, weight, scale, out_dtype=None, **launch):
 
 def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_activations_reference in one launch (what the prefill GEMM reads)."""
-    m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, triton.cdiv(k, BLOCK), dtype=torch.float32, device=x.device)
-    if m:
-        _quantize_kernel[(triton.cdiv(m, 32), triton.cdiv(k, BLOCK))](
-            x, codes, scale, m, k, x.stride(0), ROWS=32, TINY=FP8_TINY, EXACT_CAST=interpreting(), num_warps=4
-        )
-    return codes, scale
+    return _quantize(x.unsqueeze(1), 1)
 
 
 def _triton_ok(x: torch.Tensor) -> bool:

@@ -1,8 +1,9 @@
 """The FP8 block-scaled linears (engine/kernels/fp8_gemm.py) against their plain-torch references under Triton's
 interpreter, at small sizes: the activation quantization bit for bit (partial K blocks, all-zero blocks, extreme
-magnitudes), the decode kernel (with and without split K) and the prefill kernel for ue8m0 and fp32 weight scales,
-K and N not multiples of 128, extreme weight scales, the grouped `wo_a` form; and the reference against a
-dequantize-then-matmul oracle. tests/gpu/test_quant_kernels_gpu.py runs them at V4-Flash shapes."""
+magnitudes), the decode kernel (with and without split K, quantizing in its programs and, past 16 tokens, first) and
+the prefill kernel for ue8m0 and fp32 weight scales, K and N not multiples of 128, extreme weight scales, the grouped
+`wo_a` form; and the reference against a dequantize-then-matmul oracle. tests/gpu/test_quant_kernels_gpu.py runs them
+at V4-Flash shapes."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def test_activation_quantization_is_bit_exact(dtype):
 
 
 @pytest.mark.parametrize("fp32_scale", [False, True], ids=["e8m0", "fp32"])
-@pytest.mark.parametrize(("m", "splits"), [(3, None), (3, 3), (70, None)], ids=["decode", "split-k", "prefill"])
+@pytest.mark.parametrize(
+    ("m", "splits"),
+    [(3, None), (3, 3), (20, None), (20, 3), (70, None)],
+    ids=["decode", "split-k", "decode-quantized-first", "split-k-quantized-first", "prefill"],
+)
 def test_linear_matches_reference(m, splits, fp32_scale):
     """K = 300 and N = 200: partial blocks on both axes."""
     gen = torch.Generator().manual_seed(m)
@@ -83,7 +88,7 @@ def test_zero_blocks_and_extreme_scales(m):
     _assert_fp32_close(got, ref)
 
 
-@pytest.mark.parametrize("n", [5, 70], ids=["decode", "prefill"])
+@pytest.mark.parametrize("n", [5, 20, 70], ids=["decode", "decode-quantized-first", "prefill"])
 def test_grouped_linear_matches_reference(n):
     """wo_a's form: 3 groups of 128 rows, D = 320 (a partial block)."""
     gen = torch.Generator().manual_seed(n)
