@@ -15,6 +15,8 @@ from engine.tools.tiny_tokenizer import save_tiny_tokenizer
 
 # Layers: window-only + hash MoE, c4 + hash MoE, c128 + score MoE, c4 + score MoE.
 COMPRESS_RATIOS = [0, 4, 128, 4]
+# The real model's 43 layers (reference §2: the MTP layer's entry dropped) and its hash-routed first three.
+FLASH_COMPRESS_RATIOS, FLASH_HASH_LAYERS = [0, 0] + [4, 128] * 20 + [4], 3
 
 V4_FLASH_WIDTHS = {
     "vocab_size": 129280,
@@ -51,10 +53,14 @@ def v4_flash_width_config() -> dict:
     return TINY_CONFIG | V4_FLASH_WIDTHS
 
 
-def write_model_dir(out: Path, official_formats: bool = False) -> Path:
+def write_model_dir(out: Path, official_formats: bool = False, layers: int | None = None) -> Path:
     """config.json and a tokenizer for `--load-format dummy`: the tiny tokenizer, its vocabulary padded to the
-    model's with tokens that decode to `<id>`, so that every sampled id streams as text."""
+    model's with tokens that decode to `<id>`, so that every sampled id streams as text. `layers`: V4-Flash's own
+    first layers (FLASH_COMPRESS_RATIOS, three hash-routed) instead of one of each kind."""
     config = v4_flash_width_config() | (OFFICIAL_FORMATS if official_formats else {})
+    if layers is not None:
+        ratios = FLASH_COMPRESS_RATIOS[:layers]
+        config |= {"num_hidden_layers": len(ratios), "compress_ratios": ratios, "num_hash_layers": FLASH_HASH_LAYERS}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_tiny_tokenizer(out)
