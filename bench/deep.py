@@ -10,7 +10,7 @@ requests. It reports:
   per layer (the step less the head, over N) and the 43-layer step extrapolated (per layer x 43 + head);
 - an 8192-token prompt's prefill, one step as the engine runs it (max_num_batched_tokens 8192), in tokens/s.
 
-    python bench/deep.py --out bench/results            # writes deep.json and deep.md
+    python bench/deep.py --out bench/results            # writes deep.json, deep.md and deep.svg
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernels import copy_bandwidth, median_us  # noqa: E402
+from bench.plots import bar_chart  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
 from bench.shapes import FLASH_COMPRESS_RATIOS, write_model_dir  # noqa: E402
-from bench.step import BATCHES, CONTEXT, roofline_bytes, touched_experts  # noqa: E402
+from bench.step import BATCHES, CONTEXT, decode_batch, roofline_bytes, touched_experts  # noqa: E402
 from engine.boot import boot  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.model.state import ForwardBatch  # noqa: E402
@@ -64,6 +65,18 @@ def prefill_seconds(alone: Standalone, gen: torch.Generator, reps: int = 3) -> f
         times.append(time.perf_counter() - started)
         alone.release_state(state)
     return sorted(times)[len(times) // 2]
+
+
+def chart(results: dict) -> str:
+    """The step from graphs beside its roofline, per batch, and the extrapolated 43-layer step."""
+    groups = [(f"batch {b}", [("graph step", row["graph_us"] / 1e3, f"{row['graph_us'] / 1e3:.1f} ms"),
+                              ("roofline", row["roofline_us"] / 1e3, f"{row['roofline_us'] / 1e3:.1f} ms"),
+                              (f"{FULL_DEPTH} layers, extrapolated", row["extrapolated_step_ms"],
+                               f"{row['extrapolated_step_ms']:.1f} ms")])
+              for b, row in results["batches"].items()]  # fmt: skip
+    subtitle = (f"{results['deep_layers']} of {FULL_DEPTH} layers, MXFP4 experts, FP8 dense; {results['gpu']}, "
+                f"commit {results['commit']}, {results['date']}")  # fmt: skip
+    return bar_chart("V4-Flash-width decode step on one GPU", subtitle, groups, "ms")
 
 
 @torch.inference_mode()
@@ -100,12 +113,7 @@ def main() -> None:
     lines = ["| batch | graph µs/step | roofline µs | fraction | head µs | per layer µs | 43-layer step ms "
              "(extrapolated) | bytes: dense / experts / KV (MB) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for batch_size in BATCHES:
-        states = [alone.new_state() for _ in range(batch_size)]
-        for state in states:
-            state.num_tokens = CONTEXT  # the rows' contents do not change the step's work
-        ids = torch.randint(0, model.args.vocab_size, (batch_size,), generator=gen, device=DEV)
-        batch = ForwardBatch(ids, torch.full((batch_size,), CONTEXT, device=DEV), states, [1] * batch_size)
-        alone.prepare(batch)
+        states, batch = decode_batch(alone, batch_size, gen)
         booted.graphs.replay(batch, batch_size)  # the batch into the graph's static inputs
         graph_us = median_us(booted.graphs.graphs[batch_size].replay, reps=20)
         bytes_ = roofline_bytes(model, batch_size, touched_experts(model, batch), CONTEXT)
@@ -147,6 +155,7 @@ def main() -> None:
         "",
     ]
     (args.out / "deep.md").write_text("\n".join(head_lines + lines) + "\n")
+    (args.out / "deep.svg").write_text(chart(results))
     print("\n".join(head_lines + lines))
 
 

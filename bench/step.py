@@ -52,6 +52,17 @@ def kv_bytes_per_request(model, context: int) -> int:
     return total
 
 
+def decode_batch(alone: Standalone, batch_size: int, gen: torch.Generator) -> tuple[list, ForwardBatch]:
+    """`batch_size` new requests, each at CONTEXT tokens, decoding one random token, with their tables."""
+    states = [alone.new_state() for _ in range(batch_size)]
+    for state in states:
+        state.num_tokens = CONTEXT  # the rows' contents do not change the step's work
+    ids = torch.randint(0, alone.args.vocab_size, (batch_size,), generator=gen, device=DEV)
+    batch = ForwardBatch(ids, torch.full((batch_size,), CONTEXT, device=DEV), states, [1] * batch_size)
+    alone.prepare(batch)
+    return states, batch
+
+
 def touched_experts(model, batch) -> list[int]:
     """Distinct routed experts each layer's MoE picks for this batch (one eager step, hooks on the gates)."""
     counts: list[int] = []
@@ -126,12 +137,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for batch_size in BATCHES:
-        states = [alone.new_state() for _ in range(batch_size)]
-        for state in states:
-            state.num_tokens = CONTEXT  # the rows' contents do not change the step's work
-        ids = torch.randint(0, model.args.vocab_size, (batch_size,), generator=gen, device=DEV)
-        batch = ForwardBatch(ids, torch.full((batch_size,), CONTEXT, device=DEV), states, [1] * batch_size)
-        alone.prepare(batch)
+        states, batch = decode_batch(alone, batch_size, gen)
         saved = [t.clone() for t in cache.tensors()]  # both runs of the step start from the same cache
         graph_logits = graphs.replay(batch, batch_size).clone()  # also leaves the batch in the graph's static inputs
         for tensor, before in zip(cache.tensors(), saved, strict=True):

@@ -14,16 +14,18 @@ Hopper has no FP4 tensor cores; the alternative, W4A8 (e2m1 -> e4m3 is exact), w
 the per-block weight scale then applies either to a K=32 (or 16) partial sum per token (an fp32 multiply-add per
 token and block, as much work as the upcast at batch 32) or not exactly, and the activations would be rounded to e4m3
 where the bf16 path keeps them; decode streams weights, so the MMA rate that W4A8 doubles is not what limits it, and
-the conversion costs the same bit operations either way. (Not yet decided by measurement on the H200: bench/quant.py
-reports the W4A16 kernel's fraction of copy bandwidth.)
+the conversion costs the same bit operations either way. On the H200 the kernel is bound by the instructions that
+unpack and upcast the codes (about five a value, four warps' issue rate: bench/results/quant.md), not by the MMA rate
+W4A8 would double; so the upcast itself was made cheaper (_E2M1_TO_BF16X2: 0.75-0.8x the e4m3 route's time).
 
-The upcast is a handful of integer operations a code and no table: the nibble's sign, exponent and mantissa bits
-placed into e4m3 bits (sign -> bit 7, e and m -> bits 2-4) give exactly the e2m1 value times 2**-6 (0.5 lands on an
+MXFP4 into bf16 takes _E2M1_TO_BF16X2 (bit-exact for every scale byte). Otherwise (NVFP4, fp32 activations, the
+interpreter) the upcast is a handful of integer operations a code and no table: the nibble's sign, exponent and mantissa
+bits placed into e4m3 bits (sign -> bit 7, e and m -> bits 2-4) give exactly the e2m1 value times 2**-6 (0.5 lands on an
 e4m3 subnormal), the hardware's e4m3 conversion makes it fp32, and one multiply by the block's factor restores it:
 2**(scale - 121) for a ue8m0 scale (exact: a power of two), fl32(scale x global) x 2**6 for NVFP4 (the 2**6 exact, so
-the product is the reference's code x fl32(scale x global)). The dot is split into the even and the odd elements of
-each K tile (low and high nibbles, x loaded likewise), so no shuffle puts them back in order. ue8m0 scales up to
-2**121 (bytes <= 248) are exact; the checkpoint's are near 2**-10.
+the product is the reference's code x fl32(scale x global)). The dot is split into the even and the odd elements of each
+K tile (low and high nibbles, x loaded likewise), so no shuffle puts them back in order. ue8m0 scales up to 2**121
+(bytes <= 248) are exact; the checkpoint's are near 2**-10.
 
 The weights are taken in the checkpoint's layout (`PackedFp4`): w1, w3 [E, I, D/2] (uint8 or int8) with scales
 [E, I, D/g] and w2 [E, D, I/2] with [E, D, I/g] (g = 32 for ue8m0 scales, 16 for e4m3 ones, which come with a global
