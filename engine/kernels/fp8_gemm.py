@@ -288,8 +288,9 @@ def decode_block_n(rows: int, m: int, device: torch.device) -> int:
 
 
 def decode_stages(device: torch.device, m: int) -> int:
-    """Pipelining depth of the decode kernel: 4, or 3 past 16 tokens where a block gets 99 KB of shared memory (its
-    bf16 activations then take as much room as the weight tile)."""
+    """Pipelining depth of the decode kernel: 4, or 3 past 16 tokens where a block gets 99 KB of shared memory. The
+    rule dates from when those tokens' bf16 activations took as much room as the weight tile; they are e4m3 codes now
+    (QUANTIZE_FIRST_M), and 4 stages there are untried. tests/engine/test_attention_shared_memory.py checks the fit."""
     if device.type == "cuda" and shared_memory_limit(device) < 200 * 1024 and m > 16:
         return 3
     return 4
