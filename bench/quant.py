@@ -8,7 +8,9 @@ the MXFP4 routed experts, each against the roofline that matters, all ratios fro
   quantization inside the time, beside cuBLAS's bf16 GEMM of the same shape in the same run.
 - MXFP4 experts (256 x (2048 x 4096 gate/up, 4096 x 2048 down), top-6): at batch 1, 16, 64 the packed bytes of the
   experts routed (codes and scales) over the time of a CUDA graph, replayed in turns over routings drawn at random,
-  as a fraction of the copy bandwidth; and a few launch parameters at batch 16 and 64.
+  as a fraction of the copy bandwidth; and a few launch parameters at batch 16 and 64. The same for NVFP4 experts
+  (NVIDIA's ModelOpt layout: e4m3 scales per 16 values and a global scale per expert and projection, upcast through
+  e4m3 and fp32), over their own bytes.
 
     python bench/quant.py --out bench/results   # writes quant.json, quant.md and quant.svg
 """
@@ -29,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import copy_bandwidth, median_us  # noqa: E402
 from bench.plots import bar_chart  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
-from engine.kernels.fp4_moe import PackedFp4, moe_expert_pairs_fp4_triton  # noqa: E402
+from engine.kernels.fp4_moe import MX_BLOCK, PackedFp4, moe_expert_pairs_fp4_triton  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_block_grouped_linear_triton, fp8_block_linear_triton  # noqa: E402
+from engine.kernels.quant import NVFP4_BLOCK  # noqa: E402
 
 DEV = torch.device("cuda")
 # name: (N, K, groups) of the weight as stored
@@ -121,10 +124,18 @@ def fp8_prefill(gen) -> tuple[dict, list[str]]:
     return results, lines
 
 
-def make_experts(gen: torch.Generator):
+def make_experts(gen: torch.Generator, nvfp4: bool = False):
+    """Random codes with ue8m0 scales near 2**-8 (MXFP4), or e4m3 scales in [1, 2) and global scales near 2**-9
+    (NVFP4): the values' distribution does not change the time."""
+
     def packed(rows, cols):
         codes = torch.randint(0, 256, (E, rows, cols // 2), device=DEV, generator=gen, dtype=torch.uint8)
-        scale = torch.randint(117, 121, (E, rows, cols // 32), device=DEV, generator=gen, dtype=torch.uint8)
+        if nvfp4:
+            scale = torch.randint(0x38, 0x40, (E, rows, cols // NVFP4_BLOCK), device=DEV, generator=gen,
+                                  dtype=torch.uint8)  # fmt: skip
+            global_scale = torch.rand(E, device=DEV, generator=gen).add_(1).mul_(2.0**-9)
+            return PackedFp4(codes, scale.view(torch.float8_e4m3fn), global_scale)
+        scale = torch.randint(117, 121, (E, rows, cols // MX_BLOCK), device=DEV, generator=gen, dtype=torch.uint8)
         return PackedFp4(codes, scale.view(torch.float8_e8m0fnu))
 
     return packed(INTER, D), packed(INTER, D), packed(D, INTER)
@@ -140,13 +151,15 @@ def make_routings(batch: int, gen: torch.Generator):
     return routings
 
 
-EXPERT_BYTES = 3 * INTER * D // 2 + 3 * INTER * D // 32  # one expert's codes and scales
+def expert_bytes(block: int) -> int:
+    """One expert's codes and one-byte scales (a scale per `block` values; NVFP4's global scales are 12 bytes)."""
+    return 3 * INTER * D // 2 + 3 * INTER * D // block
 
 
-def fp4_bytes(routings) -> tuple[float, float]:
+def fp4_bytes(routings, block: int = MX_BLOCK) -> tuple[float, float]:
     touched = sum(len(torch.unique(ids)) for _, _, ids in routings) / len(routings)
     x = routings[0][0]
-    return touched, touched * EXPERT_BYTES + x.numel() * 2 + x.shape[0] * TOP_K * D * 2
+    return touched, touched * expert_bytes(block) + x.numel() * 2 + x.shape[0] * TOP_K * D * 2
 
 
 def fp4_graphs(experts, routings, **launch):
@@ -174,19 +187,28 @@ SWEEP = [dict(block_i=64, block_d=64, block_k=128, num_warps=4, num_stages=4),
 
 
 def fp4_experts(gen, bandwidth: float) -> tuple[dict, list[str]]:
-    experts = make_experts(gen)
+    experts, nv_experts = make_experts(gen), make_experts(gen, nvfp4=True)
     results, lines = {}, ["", "## MXFP4 routed experts (W4A16, upcast by bf16x2 PTX), CUDA graph, cold L2", ""]
+    nv_lines = ["", "## NVFP4 routed experts (W4A16, upcast through e4m3 and fp32), CUDA graph, cold L2", ""]
     for batch in BATCHES:
         routings = make_routings(batch, gen)
         touched, need = fp4_bytes(routings)
         us = in_turns(fp4_graphs(experts, routings))
         e4m3_us = in_turns(fp4_graphs(experts, routings, bf16x2=False))  # the upcast NVFP4 takes, for comparison
         achieved = need / (us * 1e-6)
+        _, nv_need = fp4_bytes(routings, NVFP4_BLOCK)
+        nv_us = in_turns(fp4_graphs(nv_experts, routings))
+        nv_achieved = nv_need / (nv_us * 1e-6)
         results[f"b{batch}"] = {"graph_us": us, "touched_experts": touched, "bytes": need, "gb_s": achieved / 1e9,
-                                "fraction_of_copy": achieved / bandwidth, "e4m3_route_us": e4m3_us}  # fmt: skip
+                                "fraction_of_copy": achieved / bandwidth, "e4m3_route_us": e4m3_us,
+                                "nvfp4": {"graph_us": nv_us, "bytes": nv_need, "gb_s": nv_achieved / 1e9,
+                                          "fraction_of_copy": nv_achieved / bandwidth}}  # fmt: skip
         lines.append(f"- batch {batch}: {us:.1f} µs, {touched:.1f} experts = {need / 1e9:.3f} GB packed, "
                      f"{achieved / 1e9:.0f} GB/s = {achieved / bandwidth:.0%} of copy bandwidth; through e4m3 "
                      f"instead of bf16x2 {e4m3_us:.1f} µs ({us / e4m3_us:.2f}x the time)")  # fmt: skip
+        nv_lines.append(f"- batch {batch}: {nv_us:.1f} µs, {nv_need / 1e9:.3f} GB packed (e4m3 scales per 16), "
+                        f"{nv_achieved / 1e9:.0f} GB/s = {nv_achieved / bandwidth:.0%} of copy bandwidth")  # fmt: skip
+    lines += nv_lines
     sweep = {}
     lines += ["", "Launch parameters (CUDA graph), fraction of copy bandwidth:", ""]
     for batch in (16, 64):
@@ -231,9 +253,11 @@ def chart(summary: dict, decode: dict) -> str:
               for m in DECODE_M]  # fmt: skip
     fp4 = [summary["fp4_moe"][f"b{b}"]["fraction_of_copy"] for b in BATCHES]
     groups.append(("MXFP4 experts", [(f"batch {b}", f * 100, f"{f:.0%}") for b, f in zip(BATCHES, fp4, strict=True)]))
+    nv = [summary["fp4_moe"][f"b{b}"]["nvfp4"]["fraction_of_copy"] for b in BATCHES]
+    groups.append(("NVFP4 experts", [(f"batch {b}", f * 100, f"{f:.0%}") for b, f in zip(BATCHES, nv, strict=True)]))
     subtitle = (f"cold L2, CUDA graphs; target 75%; prefill {summary['fp8_gemm_tflops_m4096']:.0f} TFLOP/s; "
                 f"{summary['gpu']}, commit {summary['commit']}, {summary['date']}")  # fmt: skip
-    return bar_chart("FP8 GEMM and MXFP4 experts: fraction of copy bandwidth", subtitle, groups, "% of copy bandwidth")
+    return bar_chart("FP8 GEMM and FP4 experts: fraction of copy bandwidth", subtitle, groups, "% of copy bandwidth")
 
 
 def main() -> None:
@@ -271,6 +295,7 @@ def main() -> None:
         "fp4_moe_bw_fraction_b1": fp4["b1"]["fraction_of_copy"],
         "fp4_moe_bw_fraction_b16": fp4["b16"]["fraction_of_copy"],
         "fp4_moe_bw_fraction_b64": fp4["b64"]["fraction_of_copy"],
+        **{f"nvfp4_moe_bw_fraction_b{b}": fp4[f"b{b}"]["nvfp4"]["fraction_of_copy"] for b in BATCHES},
         "gpu": gpu,
         "copy_bandwidth_tb_s": bandwidth / 1e12,
         **provenance(),
@@ -279,7 +304,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant.json").write_text(json.dumps(summary, indent=2) + "\n")
-    head = [f"# FP8 and MXFP4 kernels on {gpu}", "",
+    head = [f"# FP8, MXFP4 and NVFP4 kernels on {gpu}", "",
             f"commit {summary['commit']}, {summary['date']}, torch {summary['torch']}, triton {summary['triton']}; "
             f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write, same run). `python bench/quant.py --out "
             "bench/results`.", "",
@@ -290,7 +315,10 @@ def main() -> None:
             f"cuBLAS bf16 {summary['cublas_bf16_tflops_m4096']:.0f}",
             f"- MXFP4 experts: batch 1 {summary['fp4_moe_bw_fraction_b1']:.0%}, 16 "
             f"{summary['fp4_moe_bw_fraction_b16']:.0%}, 64 {summary['fp4_moe_bw_fraction_b64']:.0%} of copy "
-            "bandwidth (target 75% at 16 and 64)", ""]  # fmt: skip
+            "bandwidth (target 75% at 16 and 64)",
+            f"- NVFP4 experts: batch 1 {summary['nvfp4_moe_bw_fraction_b1']:.0%}, 16 "
+            f"{summary['nvfp4_moe_bw_fraction_b16']:.0%}, 64 {summary['nvfp4_moe_bw_fraction_b64']:.0%} of copy "
+            "bandwidth", ""]  # fmt: skip
     (args.out / "quant.md").write_text("\n".join(head + lines) + "\n")
     (args.out / "quant.svg").write_text(chart(summary, decode))
     print("\n".join(head))
