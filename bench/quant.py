@@ -152,14 +152,14 @@ def make_routings(batch: int, gen: torch.Generator):
 
 
 def expert_bytes(block: int) -> int:
-    """One expert's codes and one-byte scales (a scale per `block` values; NVFP4's global scales are 12 bytes)."""
+    """One expert's codes and one-byte scales, one a `block` values (NVFP4's 12 bytes of global scales left out)."""
     return 3 * INTER * D // 2 + 3 * INTER * D // block
 
 
-def fp4_bytes(routings, block: int = MX_BLOCK) -> tuple[float, float]:
+def fp4_bytes(routings, experts) -> tuple[float, float]:
     touched = sum(len(torch.unique(ids)) for _, _, ids in routings) / len(routings)
     x = routings[0][0]
-    return touched, touched * expert_bytes(block) + x.numel() * 2 + x.shape[0] * TOP_K * D * 2
+    return touched, touched * expert_bytes(experts[0].block) + x.numel() * 2 + x.shape[0] * TOP_K * D * 2
 
 
 def fp4_graphs(experts, routings, **launch):
@@ -192,11 +192,11 @@ def fp4_experts(gen, bandwidth: float) -> tuple[dict, list[str]]:
     nv_lines = ["", "## NVFP4 routed experts (W4A16, upcast through e4m3 and fp32), CUDA graph, cold L2", ""]
     for batch in BATCHES:
         routings = make_routings(batch, gen)
-        touched, need = fp4_bytes(routings)
+        touched, need = fp4_bytes(routings, experts)
         us = in_turns(fp4_graphs(experts, routings))
         e4m3_us = in_turns(fp4_graphs(experts, routings, bf16x2=False))  # the upcast NVFP4 takes, for comparison
         achieved = need / (us * 1e-6)
-        _, nv_need = fp4_bytes(routings, NVFP4_BLOCK)
+        _, nv_need = fp4_bytes(routings, nv_experts)
         nv_us = in_turns(fp4_graphs(nv_experts, routings))
         nv_achieved = nv_need / (nv_us * 1e-6)
         results[f"b{batch}"] = {"graph_us": us, "touched_experts": touched, "bytes": need, "gb_s": achieved / 1e9,
@@ -213,7 +213,7 @@ def fp4_experts(gen, bandwidth: float) -> tuple[dict, list[str]]:
     lines += ["", "Launch parameters (CUDA graph), fraction of copy bandwidth:", ""]
     for batch in (16, 64):
         routings = make_routings(batch, gen)
-        _, need = fp4_bytes(routings)
+        _, need = fp4_bytes(routings, experts)
         rows = []
         for config in SWEEP:
             try:
