@@ -8,9 +8,9 @@ the MXFP4 routed experts, each against the roofline that matters, all ratios fro
   quantization inside the time, beside cuBLAS's bf16 GEMM of the same shape in the same run.
 - MXFP4 experts (256 x (2048 x 4096 gate/up, 4096 x 2048 down), top-6): at batch 1, 16, 64 the packed bytes of the
   experts routed (codes and scales) over the time of a CUDA graph, replayed in turns over routings drawn at random,
-  as a fraction of the copy bandwidth; and a few launch parameters at batch 16 and 64. The same for NVFP4 experts
-  (NVIDIA's ModelOpt layout: e4m3 scales per 16 values and a global scale per expert and projection, upcast through
-  e4m3 and fp32), over their own bytes.
+  as a fraction of the copy bandwidth; and launch parameters at batch 1 (K splits), 16 and 64. The same for NVFP4
+  experts (NVIDIA's ModelOpt layout: e4m3 scales per 16 values and a global scale per expert and projection, upcast
+  through e4m3 and fp32), over their own bytes.
 
     python bench/quant.py --out bench/results   # writes quant.json, quant.md and quant.svg
 """
@@ -184,6 +184,17 @@ SWEEP = [dict(block_i=64, block_d=64, block_k=128, num_warps=4, num_stages=4),
          dict(block_i=64, block_d=64, block_k=256, num_warps=4, num_stages=3),
          dict(block_i=32, block_d=64, block_k=256, num_warps=4, num_stages=4),
          dict(block_i=128, block_d=128, block_k=128, num_warps=8, num_stages=3)]  # fmt: skip
+# At one token 6 experts leave most of the GPU idle: splits of K (gate/up, down) and narrower tiles
+SPLIT_SWEEP = [
+    dict(splits_up=1, splits_down=1),
+    dict(splits_up=2, splits_down=1),
+    dict(splits_up=4, splits_down=1),
+    dict(splits_up=2, splits_down=2),
+    dict(splits_up=4, splits_down=2),
+    dict(splits_up=8, splits_down=4),
+    dict(block_i=32, splits_up=1, splits_down=1),
+    dict(block_i=32, block_d=32, splits_up=2, splits_down=2),
+]
 
 
 def fp4_experts(gen, bandwidth: float) -> tuple[dict, list[str]]:
@@ -211,11 +222,11 @@ def fp4_experts(gen, bandwidth: float) -> tuple[dict, list[str]]:
     lines += nv_lines
     sweep = {}
     lines += ["", "Launch parameters (CUDA graph), fraction of copy bandwidth:", ""]
-    for batch in (16, 64):
+    for batch, configs in ((1, SPLIT_SWEEP), (16, SWEEP + SPLIT_SWEEP[1:2]), (64, SWEEP)):
         routings = make_routings(batch, gen)
         _, need = fp4_bytes(routings, experts)
         rows = []
-        for config in SWEEP:
+        for config in configs:
             try:
                 us = in_turns(fp4_graphs(experts, routings, **config), reps=20)
             except Exception as error:  # a launch that does not fit (shared memory, registers) is skipped

@@ -60,13 +60,17 @@ def at_gemm_rows(gemm, x: torch.Tensor) -> torch.Tensor:
     return gemm(padded)[:n]
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (16 stand in on the CPU, so the interpreter meets split launches too)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
 def splits_for(batch: int, device: torch.device, waves: int = 4, cap: int = 1024) -> int:
     """Programs per request so that a grid of (batch, splits) fills the GPU `waves` times over. It depends only on
     the batch size, so a CUDA graph captured for a batch size keeps its grid."""
     if device.type != "cuda":
         return 4
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(cap, waves * sms // batch))
+    return max(1, min(cap, waves * multiprocessors(device) // batch))
 
 
 def shared_memory_limit(device: torch.device) -> int:

@@ -40,12 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, use_triton
+from engine.kernels.dispatch import interpreting, multiprocessors, use_triton
 from engine.kernels.moe import _dot, moe_expert_pairs_reference, sort_pairs
 from engine.kernels.quant import NVFP4_BLOCK, dequantize_fp4_weight, dequantize_nvfp4_weight
 from engine.kernels.scales import pow2
+from engine.kernels.split_k import arrives_last, tile_counters
 
 MX_BLOCK = 32  # values per ue8m0 scale
+PROGRAMS_PER_SM = 3  # the expert kernels' programs a multiprocessor holds at once (their registers allow three)
 
 
 @dataclass(frozen=True)
@@ -149,14 +151,27 @@ def _fp4_tile_offsets(e, rows, stride_we, stride_wr, stride_se, stride_sr, BLOCK
 
 
 @triton.jit
+def _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP: tl.constexpr):
+    """h rows = routing weight x swiglu(gate, up), clamped as the reference, in h's dtype."""
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up * tl.load(weights_ptr + pair, mask=valid, other=0.0)[None, :]
+    tl.store(h_ptr + rows[None, :] * stride_hm + i[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :])
+
+
+@triton.jit
 def _fp4_gate_up_kernel(
     x_ptr, w1_ptr, s1_ptr, g1_ptr, w3_ptr, s3_ptr, g3_ptr, pair_ptr, weights_ptr, active_ptr, offsets_ptr, h_ptr,
-    stride_xn, stride_we, stride_wi, stride_se, stride_si, stride_hm, limit,
-    E: tl.constexpr, TOP_K: tl.constexpr, D: tl.constexpr, CLAMP: tl.constexpr, G: tl.constexpr, NV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
+    part_ptr, counter_ptr, stride_xn, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_ps, limit,
+    E: tl.constexpr, TOP_K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, CLAMP: tl.constexpr, G: tl.constexpr,
+    NV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
 ):  # fmt: skip
     """moe._gate_up_kernel over packed weights: one expert's rows [tile * BLOCK_I, +BLOCK_I) of w1 and w3 against all
-    of that expert's pairs, transposed (weights as the dot's M side). g1, g3: the global scales when NV."""
+    of that expert's pairs over K split `program_id(2)` of SPLITS, transposed (weights as the dot's M side). g1, g3:
+    the global scales when NV. With K split, gate and up go to part [SPLITS, pairs, 2 * INTER] (fp32) and the tile's
+    last program adds them before the SwiGLU (split_k)."""
     e = tl.load(active_ptr + tl.program_id(0))
     if e < E:
         start = tl.load(offsets_ptr + e)
@@ -167,6 +182,8 @@ def _fp4_gate_up_kernel(
         w_offs, s_offs = _fp4_tile_offsets(e, i, stride_we, stride_wi, stride_se, stride_si, BLOCK_K, G)
         even = 2 * tl.arange(0, BLOCK_K // 2)
         dtype = h_ptr.dtype.element_ty
+        k_start = tl.program_id(2) * (D // SPLITS)
+        k_last = k_start + D // SPLITS - BLOCK_K
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             valid = rows < end
@@ -175,11 +192,11 @@ def _fp4_gate_up_kernel(
             gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
             up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
             # Triton pipelines the code tiles but not these narrow loads: each is issued a K step ahead
-            x_even = tl.load(x_ptrs, mask=valid[None, :], other=0.0)
-            x_odd = tl.load(x_ptrs + 1, mask=valid[None, :], other=0.0)
-            sc1, sc3 = tl.load(s1_ptr + s_offs), tl.load(s3_ptr + s_offs)
-            for k0 in range(0, D, BLOCK_K):
-                k1 = tl.minimum(k0 + BLOCK_K, D - BLOCK_K)  # the next step's (the last step reloads its own)
+            x_even = tl.load(x_ptrs + k_start, mask=valid[None, :], other=0.0)
+            x_odd = tl.load(x_ptrs + k_start + 1, mask=valid[None, :], other=0.0)
+            sc1, sc3 = tl.load(s1_ptr + s_offs + k_start // G), tl.load(s3_ptr + s_offs + k_start // G)
+            for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):
+                k1 = tl.minimum(k0 + BLOCK_K, k_last)  # the next step's (the last step reloads its own)
                 x_even_next = tl.load(x_ptrs + k1, mask=valid[None, :], other=0.0)
                 x_odd_next = tl.load(x_ptrs + k1 + 1, mask=valid[None, :], other=0.0)
                 sc1_next, sc3_next = tl.load(s1_ptr + s_offs + k1 // G), tl.load(s3_ptr + s_offs + k1 // G)
@@ -188,22 +205,39 @@ def _fp4_gate_up_kernel(
                 gate = _dot(g_odd, x_odd, _dot(g_even, x_even, gate, F32_DOT), F32_DOT)
                 up = _dot(u_odd, x_odd, _dot(u_even, x_even, up, F32_DOT), F32_DOT)
                 x_even, x_odd, sc1, sc3 = x_even_next, x_odd_next, sc1_next, sc3_next
-            if CLAMP:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-            h = gate * tl.sigmoid(gate) * up * tl.load(weights_ptr + pair, mask=valid, other=0.0)[None, :]
-            tl.store(h_ptr + rows[None, :] * stride_hm + i[:, None], h.to(dtype), mask=valid[None, :])
+            if SPLITS > 1:
+                part = part_ptr + tl.program_id(2) * stride_ps + rows[None, :] * (2 * INTER) + i[:, None]
+                tl.store(part, gate, mask=valid[None, :])
+                tl.store(part + INTER, up, mask=valid[None, :])
+            else:
+                _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP)
+        if SPLITS > 1:
+            last = arrives_last(counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS)
+            if last:
+                for m0 in range(start, end, BLOCK_M):
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    valid = rows < end
+                    pair = tl.load(pair_ptr + rows, mask=valid, other=0)
+                    part = part_ptr + rows[None, :] * (2 * INTER) + i[:, None]
+                    gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+                    up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+                    for s in tl.static_range(SPLITS):
+                        gate += tl.load(part + s * stride_ps, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+                        up += tl.load(part + s * stride_ps + INTER, mask=valid[None, :], other=0.0,
+                                      cache_modifier=".cg")  # fmt: skip
+                    _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP)
 
 
 @triton.jit
 def _fp4_down_kernel(
-    h_ptr, w2_ptr, s2_ptr, g2_ptr, pair_ptr, active_ptr, offsets_ptr, y_ptr,
-    stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
-    E: tl.constexpr, INTER: tl.constexpr, G: tl.constexpr, NV: tl.constexpr,
+    h_ptr, w2_ptr, s2_ptr, g2_ptr, pair_ptr, active_ptr, offsets_ptr, y_ptr, part_ptr, counter_ptr,
+    stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym, stride_ps,
+    E: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, G: tl.constexpr, NV: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
 ):  # fmt: skip
     """moe._down_kernel over packed weights: one expert's rows [tile * BLOCK_D, +BLOCK_D) of w2 against all of that
-    expert's pairs."""
+    expert's pairs over K split `program_id(2)` of SPLITS (partials in part [SPLITS, pairs, D], added by the tile's
+    last program)."""
     e = tl.load(active_ptr + tl.program_id(0))
     if e < E:
         start = tl.load(offsets_ptr + e)
@@ -213,38 +247,69 @@ def _fp4_down_kernel(
         w_offs, s_offs = _fp4_tile_offsets(e, d, stride_we, stride_wd, stride_se, stride_sd, BLOCK_K, G)
         even = 2 * tl.arange(0, BLOCK_K // 2)
         dtype = y_ptr.dtype.element_ty
+        k_start = tl.program_id(2) * (INTER // SPLITS)
+        k_last = k_start + INTER // SPLITS - BLOCK_K
         for m0 in range(start, end, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
             valid = rows < end
             pair = tl.load(pair_ptr + rows, mask=valid, other=0)
             h_ptrs = h_ptr + rows[None, :] * stride_hm + even[:, None]
             acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-            h_even = tl.load(h_ptrs, mask=valid[None, :], other=0.0)
-            h_odd = tl.load(h_ptrs + 1, mask=valid[None, :], other=0.0)
-            sc2 = tl.load(s2_ptr + s_offs)
-            for k0 in range(0, INTER, BLOCK_K):  # the narrow loads a step ahead, as in _fp4_gate_up_kernel
-                k1 = tl.minimum(k0 + BLOCK_K, INTER - BLOCK_K)
+            h_even = tl.load(h_ptrs + k_start, mask=valid[None, :], other=0.0)
+            h_odd = tl.load(h_ptrs + k_start + 1, mask=valid[None, :], other=0.0)
+            sc2 = tl.load(s2_ptr + s_offs + k_start // G)
+            for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):  # the narrow loads a step ahead, as in gate/up
+                k1 = tl.minimum(k0 + BLOCK_K, k_last)
                 h_even_next = tl.load(h_ptrs + k1, mask=valid[None, :], other=0.0)
                 h_odd_next = tl.load(h_ptrs + k1 + 1, mask=valid[None, :], other=0.0)
                 sc2_next = tl.load(s2_ptr + s_offs + k1 // G)
                 w_even, w_odd = _upcast(tl.load(w2_ptr + w_offs + k0 // 2), sc2, g2, NV, dtype, BF16X2)
                 acc = _dot(w_odd, h_odd, _dot(w_even, h_even, acc, F32_DOT), F32_DOT)
                 h_even, h_odd, sc2 = h_even_next, h_odd_next, sc2_next
-            tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
+            if SPLITS > 1:
+                tl.store(part_ptr + tl.program_id(2) * stride_ps + pair[None, :] * D + d[:, None], acc,
+                         mask=valid[None, :])  # fmt: skip
+            else:
+                tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
+        if SPLITS > 1:
+            last = arrives_last(counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS)
+            if last:
+                for m0 in range(start, end, BLOCK_M):
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    valid = rows < end
+                    pair = tl.load(pair_ptr + rows, mask=valid, other=0)
+                    acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
+                    for s in tl.static_range(SPLITS):
+                        acc += tl.load(part_ptr + s * stride_ps + pair[None, :] * D + d[:, None], mask=valid[None, :],
+                                       other=0.0, cache_modifier=".cg")  # fmt: skip
+                    tl.store(y_ptr + pair[None, :] * stride_ym + d[:, None], acc.to(dtype), mask=valid[None, :])
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+def expert_splits(programs: int, k_steps: int, device: torch.device) -> int:
+    """Splits of K for an expert kernel of `programs` (expert slots x tiles): where they leave the GPU short of
+    PROGRAMS_PER_SM a multiprocessor (decode at a few tokens: 6 experts x 32 tiles of w1/w3 on 132 SMs), the largest
+    power of two that keeps programs x splits within that and divides the K steps. It depends on the shapes alone, so
+    a captured graph keeps its grid."""
+    room = PROGRAMS_PER_SM * multiprocessors(device) // max(programs, 1)
+    splits = 1
+    while 2 * splits <= room and k_steps % (2 * splits) == 0:
+        splits *= 2
+    return splits
+
+
 def moe_expert_pairs_fp4_triton(
     x, weights, ids, w1: PackedFp4, w3: PackedFp4, w2: PackedFp4, limit, touched=None, remote=False,
     block_m: int | None = None, block_i: int = 64, block_d: int = 64, block_k: int = 128, num_warps: int = 4,
-    num_stages: int = 3, bf16x2: bool = True,
+    num_stages: int = 3, bf16x2: bool = True, splits_up: int | None = None, splits_down: int | None = None,
 ):  # fmt: skip
     """Three launches, as moe.moe_expert_pairs_triton: the counting sort (which counts the experts touched), then
-    gate/up and down over the active experts. block_k counts values (two a byte), a multiple of 32. bf16x2=False takes
-    the e4m3 route for MXFP4 into bf16 too (bench/quant.py compares the two)."""
+    gate/up and down over the active experts, each splitting K by expert_splits unless given. block_k counts values
+    (two a byte), a multiple of 32. bf16x2=False takes the e4m3 route for MXFP4 into bf16 too (bench/quant.py compares
+    the two)."""
     n, dim = x.shape
     n_experts, inter, _ = w1.codes.shape
     top_k, group, nv = ids.shape[1], w1.block, w1.global_scale is not None
@@ -270,17 +335,30 @@ def moe_expert_pairs_fp4_triton(
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
     f32_dot = x.dtype == torch.float32 or interpreting()
     bf16x2 = bf16x2 and x.dtype == torch.bfloat16 and not nv and not interpreting()
-    _fp4_gate_up_kernel[(len(active), inter // block_i)](
-        x, c1, s1, g1, c3, s3, g3, order, weights.reshape(-1), active, offsets, h,
-        x.stride(0), c1.stride(0), c1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), limit,
-        E=n_experts, TOP_K=top_k, D=dim, CLAMP=limit > 0, G=group, NV=nv,
+    grid_up, grid_down = (len(active), inter // block_i), (len(active), dim // block_d)
+    splits_up = splits_up or expert_splits(grid_up[0] * grid_up[1], dim // block_k_up, x.device)
+    splits_down = splits_down or expert_splits(grid_down[0] * grid_down[1], inter // block_k_down, x.device)
+    if dim % (splits_up * block_k_up) or inter % (splits_down * block_k_down):
+        raise ValueError(f"K splits {splits_up} / {splits_down} do not divide D={dim} / I={inter} in steps of "
+                         f"{block_k_up} / {block_k_down}")  # fmt: skip
+    # fp32 partials of split launches (x stands in where unread), one counter a tile
+    part_up = x if splits_up == 1 else torch.empty(splits_up, pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    part_down = x if splits_down == 1 else torch.empty(splits_down, pairs, dim, dtype=torch.float32, device=x.device)
+    split = max(splits_up, splits_down) > 1
+    counters = tile_counters(x.device, max(grid_up[0] * grid_up[1], grid_down[0] * grid_down[1])) if split else x
+    _fp4_gate_up_kernel[(*grid_up, splits_up)](
+        x, c1, s1, g1, c3, s3, g3, order, weights.reshape(-1), active, offsets, h, part_up, counters,
+        x.stride(0), c1.stride(0), c1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        part_up.stride(0) if splits_up > 1 else 0, limit,
+        E=n_experts, TOP_K=top_k, D=dim, INTER=inter, CLAMP=limit > 0, G=group, NV=nv, SPLITS=splits_up,
         BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot, BF16X2=bf16x2,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _fp4_down_kernel[(len(active), dim // block_d)](
-        h, c2, s2, g2, order, active, offsets, y,
+    _fp4_down_kernel[(*grid_down, splits_down)](
+        h, c2, s2, g2, order, active, offsets, y, part_down, counters,
         h.stride(0), c2.stride(0), c2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        E=n_experts, INTER=inter, G=group, NV=nv,
+        part_down.stride(0) if splits_down > 1 else 0,
+        E=n_experts, D=dim, INTER=inter, G=group, NV=nv, SPLITS=splits_down,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_K=block_k_down, F32_DOT=f32_dot, BF16X2=bf16x2,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

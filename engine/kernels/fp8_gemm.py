@@ -13,10 +13,10 @@ block goes unpromoted). The result is rounded once to the output dtype.
   block gets a tiny finite scale and zero codes, never NaN), codes round-to-nearest-even, saturated at ±448. DeepSeek's
   kernels floor amax at 1e-4 instead; only blocks whose every |x| < 1e-4 round differently, to within their scale.
 - Decode (M <= DECODE_MAX_M): one kernel reads the weight once, spread over N tiles and splits of K (split-K where the
-  N tiles alone would not fill the GPU, its fp32 partials summed in a fixed order by a second launch). Up to
-  QUANTIZE_FIRST_M tokens it quantizes their activations in registers as it goes; past that every program would redo
-  the quantization of all tokens for each of its K blocks (at M = 64 it, not the weight, set the time:
-  bench/results/quant.md), so the activations are quantized once by their own launch first.
+  N tiles alone would not fill the GPU, its fp32 partials summed in a fixed order by the tile's last program:
+  engine/kernels/split_k.py). Up to QUANTIZE_FIRST_M tokens it quantizes their activations in registers as it goes;
+  past that every program would redo the quantization of all tokens for each of its K blocks (at M = 64 it, not the
+  weight, set the time: bench/results/quant.md), so the activations are quantized once by their own launch first.
 - Prefill: the activations are quantized once by their own launch, then a tiled GEMM runs the FP8 tensor cores
   (tl.dot on e4m3 operands), promoting per K block as above.
 
@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, shared_memory_limit, use_triton
+from engine.kernels.dispatch import interpreting, multiprocessors, shared_memory_limit, use_triton
 from engine.kernels.quant import FP8_MAX, block_scales, e8m0_to_float, exact_ceil_log2, round_half_even
 from engine.kernels.scales import pow2
+from engine.kernels.split_k import arrives_last, tile_counters
 
 BLOCK = 128  # the checkpoint's block: weight scales per 128x128, activation scales per 128 channels
 DECODE_MAX_M = 64  # rows up to this many take the weight-streaming decode kernel
@@ -164,16 +165,16 @@ def _dot_fp8(a, b, F32_DOT: tl.constexpr):
 # One variant for any token count and any split length (the decode batch varies; graphs are captured per size).
 @triton.jit(do_not_specialize=["M", "kb_per_split"])
 def _decode_kernel(
-    x_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, M, K, kb_per_split,
-    stride_xm, stride_xg, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_os,
-    R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr, QUANTIZED: tl.constexpr,
+    x_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter_ptr, M, K, kb_per_split,
+    stride_xm, stride_xg, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_ps,
+    R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr, QUANTIZED: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     """Program (group g * TILES + tile, split): weight rows [tile * BLOCK_N, +BLOCK_N) of group g against all M
     tokens over K blocks [split * kb_per_split, +kb_per_split). Computed transposed (weight rows as the dot's M side)
     so the tile stays MMA-shaped for few tokens. The tokens' activations are quantized here, block by block, or with
-    QUANTIZED x holds e4m3 codes and sa their scales (_quantize_kernel's). With K split, out is fp32 partials
-    [splits, M, G * R] (summed by _sum_splits_kernel); otherwise the result [M, G * R]."""
+    QUANTIZED x holds e4m3 codes and sa their scales (_quantize_kernel's). out [M, G * R]; with K split, each program
+    stores its fp32 partial in part [SPLITS, M, G * R] and the tile's last program adds them (split_k)."""
     g = tl.program_id(0) // TILES
     n = (tl.program_id(0) % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = g * R + n
@@ -197,21 +198,17 @@ def _decode_kernel(
         w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & (k < K)[None, :], other=0.0)
         partial = _dot_fp8(w, tl.trans(codes), F32_DOT)
         acc += partial * act_scale[None, :] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[:, None]
-    out = out_ptr + tl.program_id(1) * stride_os + m[None, :] * stride_om + rows[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live_n[:, None] & live_m[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _sum_splits_kernel(part_ptr, out_ptr, M, stride_ps, WIDTH: tl.constexpr, SPLITS: tl.constexpr,
-                       BLOCK: tl.constexpr):  # fmt: skip
-    """out[m, j] = sum of the splits' partials in split order (deterministic), rounded once."""
-    m = tl.program_id(0)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = j < WIDTH
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(part_ptr + s * stride_ps + m * WIDTH + j, mask=mask, other=0.0)
-    tl.store(out_ptr + m.to(tl.int64) * WIDTH + j, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    offs = m[None, :] * stride_om + rows[:, None]
+    live = live_n[:, None] & live_m[None, :]
+    if SPLITS > 1:
+        tl.store(part_ptr + tl.program_id(1) * stride_ps + offs, acc, mask=live)
+        if arrives_last(counter_ptr + tl.program_id(0), SPLITS):
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(part_ptr + s * stride_ps + offs, mask=live, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -267,15 +264,11 @@ def _prefill_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
 
 
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-
-
 def decode_splits(tiles: int, k_blocks: int, m: int, device: torch.device) -> int:
     """Splits of K for the decode kernel: enough programs to fill the GPU about twice over, fewer where the fp32
     partials (written and read back, 8 bytes a token and row a split; they stay in L2) would pass half the weight's
     bytes. At 64 tokens a tenth (the rule before) left wo_b and the shared expert one split: half the GPU idle."""
-    want = triton.cdiv(2 * _multiprocessors(device), tiles)
+    want = triton.cdiv(2 * multiprocessors(device), tiles)
     affordable = max(1, (k_blocks * BLOCK) // (16 * max(m, 1)))
     splits = max(1, min(want, affordable, k_blocks))
     return triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))  # spread the blocks evenly
@@ -284,7 +277,7 @@ def decode_splits(tiles: int, k_blocks: int, m: int, device: torch.device) -> in
 def decode_block_n(rows: int, m: int, device: torch.device) -> int:
     """Weight rows a decode program: 64, or 128 past QUANTIZE_FIRST_M tokens where 64-row tiles alone would fill
     the GPU twice over (wq_b), which halves how often the activations are read (bench/results/quant.md)."""
-    return 128 if m > QUANTIZE_FIRST_M and triton.cdiv(rows, 64) >= 2 * _multiprocessors(device) else 64
+    return 128 if m > QUANTIZE_FIRST_M and triton.cdiv(rows, 64) >= 2 * multiprocessors(device) else 64
 
 
 def decode_stages(device: torch.device, m: int) -> int:
@@ -338,7 +331,8 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
         splits = splits or decode_splits(groups * tiles, k_blocks, m, device)
         kb_per_split = triton.cdiv(k_blocks, splits)
         splits = triton.cdiv(k_blocks, kb_per_split)
-        target = out if splits == 1 else torch.empty(splits, m, groups * rows, dtype=torch.float32, device=device)
+        part = out if splits == 1 else torch.empty(splits, m, groups * rows, dtype=torch.float32, device=device)
+        counters = out if splits == 1 else tile_counters(device, groups * tiles)  # out stands in when unread
         quantized = m > QUANTIZE_FIRST_M if quantize_first is None else quantize_first
         if quantized:
             codes, act_scale = _quantize(x, groups)
@@ -346,17 +340,12 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
         else:
             a, act_scale, a_strides = x, x, (x.stride(0), x.stride(1), 0, 0)  # x stands in for the unread scales
         _decode_kernel[(groups * tiles, splits)](
-            a, act_scale, w, s, target, m, k, kb_per_split,
-            *a_strides, w.stride(0), s.stride(0), groups * rows, target.stride(0) if splits > 1 else 0,
-            R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, BLOCK_M=block_m, BLOCK_N=block_n,
+            a, act_scale, w, s, out, part, counters, m, k, kb_per_split,
+            *a_strides, w.stride(0), s.stride(0), groups * rows, part.stride(0) if splits > 1 else 0,
+            R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
             F32_DOT=f32_dot, TINY=FP8_TINY, num_warps=num_warps or 4,
             num_stages=num_stages or decode_stages(device, m),
         )  # fmt: skip
-        if splits > 1:
-            width, block = groups * rows, 1024
-            _sum_splits_kernel[(m, triton.cdiv(width, block))](
-                target, out, m, target.stride(0), WIDTH=width, SPLITS=splits, BLOCK=block, num_warps=4
-            )
         return out
     codes, act_scale = _quantize(x, groups)
     block_m, block_n = 128, block_n or 128
@@ -371,8 +360,8 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
 
 
 def fp8_block_linear_triton(x, weight, scale, out_dtype=None, **launch):
-    """fp8_block_linear_reference in one to three launches (decode: the activations' quantization past
-    QUANTIZE_FIRST_M tokens, the GEMM, the splits' sum when K is split; prefill: the quantization, then the GEMM).
+    """fp8_block_linear_reference in one or two launches (decode: the activations' quantization past
+    QUANTIZE_FIRST_M tokens, then the GEMM; prefill: the quantization, then the GEMM).
     `launch`: block_n=, splits=, num_warps=, num_stages=, quantize_first=."""
     m, k = x.shape
     _check(weight, scale, k)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, use_triton, wide
+from engine.kernels.dispatch import interpreting, multiprocessors, use_triton, wide
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -192,10 +192,6 @@ def _hash_route_kernel(
     tl.store(ids_ptr + out, ids, mask=j < TOP_K)
 
 
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-
-
 def gate_route_triton(
     x, weight, bias, tid2eid, input_ids, top_k, route_scale, logits_out=None, *, block_e: int = 32,
     block_k: int = 128, f32_dot: bool | None = None, route_warps: int = 4,
@@ -231,7 +227,7 @@ def gate_route_triton(
     # of two: the splits depend on the power of two above N only, as the tiles do (few compiled variants).
     programs = e_blocks * triton.next_power_of_2(n_blocks)
     splits = 1
-    while splits < 32 and 2 * splits <= k_blocks and programs * splits * 2 <= 2 * _multiprocessors(x.device):
+    while splits < 32 and 2 * splits <= k_blocks and programs * splits * 2 <= 2 * multiprocessors(x.device):
         splits *= 2
     k_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(dim, k_split)

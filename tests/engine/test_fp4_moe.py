@@ -12,6 +12,7 @@ import torch
 from engine.kernels.fp4_moe import PackedFp4, moe_expert_pairs_fp4_reference, moe_expert_pairs_fp4_triton
 from engine.kernels.moe import moe_expert_pairs_reference
 from engine.kernels.quant import quantize_fp4_weight, quantize_nvfp4_weight
+from engine.kernels.split_k import tile_counters
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; tests/gpu covers CUDA")
 
@@ -98,6 +99,25 @@ def test_nvfp4_zero_subnormal_and_largest_scales_and_int8_codes():
     weights, ids = _routing(6, 5, gen)
     x = torch.randn(6, D, generator=gen)
     _assert_matches(x, weights, ids, (PackedFp4(w1.codes.view(torch.int8), w1.scale, w1.global_scale), w3, w2))
+
+
+@LAYOUTS
+@pytest.mark.parametrize(("n", "block_m"), [(1, None), (20, 16)], ids=["one-token", "looped-pair-blocks"])
+def test_split_k_matches_unsplit_and_resets_its_counters(layout, n, block_m):
+    """K split in 2 for gate/up and down, or not: the same result to fp32 rounding (only the sums' order differs),
+    and every tile counter back at zero, so the next launch (or graph replay) starts clean. 20 tokens on 2 experts:
+    pairs in several blocks of 16 per expert, each block's partials added by the tile's last program."""
+    gen = torch.Generator().manual_seed(50 + n)
+    on_two = (torch.rand(n, K, generator=gen), torch.arange(K).repeat(n, 1) % 2)
+    weights, ids = _routing(n, 4, gen) if n == 1 else on_two
+    x = torch.randn(n, D, generator=gen)
+    experts = _experts(4, gen, layout)
+    ref = moe_expert_pairs_fp4_reference(x, weights, ids, *experts, LIMIT)
+    runs = {splits: moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT, block_k=32, block_m=block_m,
+                                                splits_up=splits, splits_down=splits) for splits in (1, 2)}  # fmt: skip
+    for got in runs.values():
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert not tile_counters(x.device, 1).any()
 
 
 @LAYOUTS

@@ -17,6 +17,7 @@ from engine.kernels.fp8_gemm import (
     quantize_activations_reference,
     quantize_activations_triton,
 )
+from engine.kernels.split_k import tile_counters
 from tests.gpu.graphs import capture
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +74,8 @@ def test_fp8_grouped_wo_a(m):
 
 
 def test_fp8_linear_in_a_cuda_graph():
-    """wq_b (no split) and wo_b (split K) at M = 16, and wo_a at 4: replays with new activations equal eager calls."""
+    """wq_b (no split) and wo_b (split K) at M = 16, and wo_a at 4: replays with new activations equal eager calls,
+    and 50 replays of the same ones give the same bits."""
     gen = torch.Generator(device=DEV).manual_seed(7)
     bf16 = dict(device=DEV, dtype=torch.bfloat16)
     layers = [(_fp8_weight(*SHAPES["wq_b"], gen), torch.empty(16, 1024, **bf16), False),
@@ -93,6 +95,11 @@ def test_fp8_linear_in_a_cuda_graph():
         graph.replay()
         for got, want in zip(outs, step(), strict=True):
             assert torch.equal(got, want)
+    first = [out.clone() for out in outs]
+    for _ in range(50):  # the split launches' sums do not depend on which program arrives last
+        graph.replay()
+    assert all(torch.equal(out, want) for out, want in zip(outs, first, strict=True))
+    assert not tile_counters(outs[0].device, 1).any()
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +137,24 @@ def test_mxfp4_experts_at_flash_sizes(experts, n, n_experts):
     assert (got.float() - ref.float()).norm() <= 1e-2 * ref.float().norm()
 
 
-def test_mxfp4_experts_in_a_cuda_graph(experts):
+@pytest.mark.parametrize("n", [1, 16], ids=["split-k", "unsplit"])
+def test_mxfp4_experts_in_a_cuda_graph(experts, n):
+    """Replays with new routing equal eager calls bit for bit; at one token K is split (6 experts leave the GPU
+    short of programs), and 50 replays of the same inputs give the same bits whichever program adds the splits."""
     gen = torch.Generator(device=DEV).manual_seed(5)
-    x = torch.randn(16, D, device=DEV, generator=gen).bfloat16()
-    weights, ids = _routing(16, gen)
+    x = torch.randn(n, D, device=DEV, generator=gen).bfloat16()
+    weights, ids = _routing(n, gen)
     graph, out = capture(lambda: moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT))
     for seed in (6, 7):
-        new_weights, new_ids = _routing(16, torch.Generator(device=DEV).manual_seed(seed))
+        new_weights, new_ids = _routing(n, torch.Generator(device=DEV).manual_seed(seed))
         x.normal_(generator=gen)
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()
         assert torch.equal(out, moe_expert_pairs_fp4_triton(x, weights, ids, *experts, LIMIT))
+    first = out.clone()
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    assert not tile_counters(x.device, 1).any()
