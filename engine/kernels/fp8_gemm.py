@@ -187,17 +187,30 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     kb_start = tl.program_id(1) * kb_per_split
     kb_end = tl.minimum(kb_start + kb_per_split, tl.cdiv(K, 128))
+    # Triton pipelines the loads that feed the dot (weight tiles, quantized codes) but not the ones that feed
+    # registers (bf16 activations to quantize, scales): those are issued a K block ahead, or each block would wait
+    # out an L2 round trip (the last block reloads its own)
+    x_mask = live_m[:, None] & (c < K - kb_start * 128)[None, :]
+    xt_next = x_mask  # stands in when QUANTIZED
+    if not QUANTIZED:
+        xt_next = tl.load(x_ptrs + kb_start * 128, mask=x_mask, other=0.0)
+    sa_next = tl.load(sa_ptrs + kb_start, mask=live_m, other=1.0) if QUANTIZED else 1.0
+    ws_next = _weight_scales(s_ptr, rows, kb_start, stride_s, live_n, E8M0)
     for kb in range(kb_start, kb_end):
-        k = kb * 128 + c
+        k_ok = (kb * 128 + c < K)[None, :]
+        kb_ahead = tl.minimum(kb + 1, kb_end - 1)
+        xt, act_scale, w_scale = xt_next, sa_next, ws_next
         if QUANTIZED:
-            codes = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & (k < K)[None, :], other=0.0)
-            act_scale = tl.load(sa_ptrs + kb, mask=live_m, other=1.0)
+            codes = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & k_ok, other=0.0)
+            sa_next = tl.load(sa_ptrs + kb_ahead, mask=live_m, other=1.0)
         else:
-            xt = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            codes, act_scale = _quantize_block(xt, TINY, F32_DOT)
-        w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & (k < K)[None, :], other=0.0)
+            xt_next = tl.load(x_ptrs + kb_ahead * 128, mask=live_m[:, None] & (kb_ahead * 128 + c < K)[None, :],
+                              other=0.0)  # fmt: skip
+            codes, act_scale = _quantize_block(xt.to(tl.float32), TINY, F32_DOT)
+        ws_next = _weight_scales(s_ptr, rows, kb_ahead, stride_s, live_n, E8M0)
+        w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & k_ok, other=0.0)
         partial = _dot_fp8(w, tl.trans(codes), F32_DOT)
-        acc += partial * act_scale[None, :] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[:, None]
+        acc += partial * act_scale[None, :] * w_scale[:, None]
     offs = m[None, :] * stride_om + rows[:, None]
     live = live_n[:, None] & live_m[None, :]
     if SPLITS > 1:
