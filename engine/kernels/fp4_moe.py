@@ -23,9 +23,14 @@ interpreter) the upcast is a handful of integer operations a code and no table: 
 bits placed into e4m3 bits (sign -> bit 7, e and m -> bits 2-4) give exactly the e2m1 value times 2**-6 (0.5 lands on an
 e4m3 subnormal), the hardware's e4m3 conversion makes it fp32, and one multiply by the block's factor restores it:
 2**(scale - 121) for a ue8m0 scale (exact: a power of two), fl32(scale x global) x 2**6 for NVFP4 (the 2**6 exact, so
-the product is the reference's code x fl32(scale x global)). The dot is split into the even and the odd elements of each
-K tile (low and high nibbles, x loaded likewise), so no shuffle puts them back in order. ue8m0 scales up to 2**121
-(bytes <= 248) are exact; the checkpoint's are near 2**-10.
+the product is the reference's code x fl32(scale x global)). ue8m0 scales up to 2**121 (bytes <= 248) are exact; the
+checkpoint's are near 2**-10.
+
+The codes are read as 16-bit words, four codes a word, and each K tile's dot is split into four K phases (phase p: the
+values at K = 4j + p, nibble p of word j; the activations loaded likewise), so no shuffle puts values back in order:
+each thread's words reach the MMA operand's registers by ldmatrix, two neighbouring words a register, and every
+upcast instruction makes finished bf16 pairs (sm_90 SASS of the gate/up loop at BLOCK_M 16: 566 instructions a K step
+of 128, 21 of them byte permutes, against 684 and 157 when bytes were the unit and the dot split in two).
 
 The weights are taken in the checkpoint's layout (`PackedFp4`): w1, w3 [E, I, D/2] (uint8 or int8) with scales
 [E, I, D/g] and w2 [E, D, I/2] with [E, D, I/g] (g = 32 for ue8m0 scales, 16 for e4m3 ones, which come with a global
@@ -84,70 +89,91 @@ def moe_expert_pairs_fp4_reference(x, weights, ids, w1: PackedFp4, w3: PackedFp4
     )  # fmt: skip
 
 
-# MXFP4 codes to bf16 in PTX (sm_80 and later), four bytes a word. A byte permute puts bytes 0 and 1 in the low byte
-# of each 16-bit half and bytes 2 and 3 in the high byte; then nibble j of both halves at once has its sign moved to
-# bit 15 and its exponent and mantissa bits to bits 6-8 of a bf16 lane, which then holds the e2m1 value times
-# 2**-126, exactly (0.5 lands on a bf16 subnormal); one bf16x2 FMA by 2**126 and one by the block's 2**(scale - 127),
-# both exact (-0 added keeps the zeros' signs). Each output lane depends on its own byte and scale only: Triton packs
-# a thread's registers, which need not be neighbours in the tensor. About three instructions a value, against the
-# e4m3 route's six.
+# MXFP4 codes to bf16 in PTX (sm_80 and later), two 16-bit code words (8 values) a call. Nibble p of each word is the
+# value at K phase p (the word holds K = 4j .. 4j + 3): its sign moved to bit 15 and its exponent and mantissa bits to
+# bits 6-8 of a bf16 lane — both words' at once, one per 16-bit half — makes the lane the e2m1 value times 2**-126,
+# exactly (0.5 lands on a bf16 subnormal); one bf16x2 FMA by 2**126 and one by the block's 2**(scale - 127), both
+# exact (-0 added keeps the zeros' signs), give phase p of both words in output p. The words arrive in the MMA
+# operand's registers as loaded (two neighbouring K words a register), so no byte is moved before or after.
 _E2M1_TO_BF16X2 = tl.constexpr("""{
-    .reg .b32 w, t, u, z, bias;
+    .reg .b32 t, u, z, bias;
     mov.b32 z, 0x80008000;
     mov.b32 bias, 0x7E807E80;
-    prmt.b32 w, $4, 0, 0x3120;
-    shl.b32 t, w, 12; and.b32 t, t, 0x80008000; shl.b32 u, w, 6; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    shl.b32 t, $4, 12; and.b32 t, t, 0x80008000; shl.b32 u, $4, 6; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
     fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $0, t, $5, z;
-    shl.b32 t, w, 8; and.b32 t, t, 0x80008000; shl.b32 u, w, 2; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    shl.b32 t, $4, 8; and.b32 t, t, 0x80008000; shl.b32 u, $4, 2; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $1, t, $5, z;
+    shl.b32 t, $4, 4; and.b32 t, t, 0x80008000; shr.b32 u, $4, 2; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
     fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $2, t, $5, z;
-    shl.b32 t, w, 4; and.b32 t, t, 0x80008000; shr.b32 u, w, 2; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
-    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $1, t, $6, z;
-    and.b32 t, w, 0x80008000; shr.b32 u, w, 6; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
-    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $3, t, $6, z;
+    and.b32 t, $4, 0x80008000; shr.b32 u, $4, 6; and.b32 u, u, 0x01C001C0; or.b32 t, t, u;
+    fma.rn.bf16x2 t, t, bias, z; fma.rn.bf16x2 $3, t, $5, z;
 }""")
 
 
 @triton.jit
-def _upcast(codes, scale, global_scale, NV: tl.constexpr, DTYPE: tl.constexpr, BF16X2: tl.constexpr):
-    """codes uint8 [ROWS, B, g/2] (B blocks of g values), scale uint8 [ROWS, B] (ue8m0 bytes, or e4m3 bytes when NV,
-    with the expert's fp32 `global_scale`) -> (even, odd) [ROWS, B * g/2] in DTYPE: the low and the high nibbles'
-    values.
+def _phase_to_e4m3(nibble):
+    """e2m1 codes (int16, the low four bits) -> the e4m3 code of their value times 2**-6."""
+    return (((nibble << 4) & 0x80) | ((nibble << 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _upcast(words, scale, global_scale, NV: tl.constexpr, DTYPE: tl.constexpr, BF16X2: tl.constexpr):
+    """words int16 [ROWS, B, g/4] (B blocks of g values, four codes a word), scale uint8 [ROWS, B] (ue8m0 bytes, or
+    e4m3 bytes when NV, with the expert's fp32 `global_scale`) -> the four K phases [ROWS, B * g/4] in DTYPE: phase p
+    holds the values at K = 4j + p.
 
     BF16X2 (MXFP4 into bf16, on a GPU): _E2M1_TO_BF16X2. Otherwise the nibble's bits placed into e4m3 bits (sign ->
     bit 7, e and m -> bits 2-4) give the e2m1 value times 2**-6, e4m3 -> fp32, the scaling multiply in fp32, then
     DTYPE: Triton 3.6 converts e4m3 to bf16 through an instruction sm_89 lacks, and its interpreter's bf16 products are
     wrong."""
-    rows: tl.constexpr = codes.shape[0]
-    width: tl.constexpr = codes.shape[1] * codes.shape[2]
+    rows: tl.constexpr = words.shape[0]
+    width: tl.constexpr = words.shape[1] * words.shape[2]
     if BF16X2:
         # 2**(scale - 127) as bf16: the exponent field, or the subnormal 2**-127 for a zero byte
         factor = tl.where(scale > 0, scale.to(tl.int16) << 7, 0x40).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        factor = tl.broadcast_to(factor[:, :, None], codes.shape)
-        even, odd = tl.inline_asm_elementwise(
-            _E2M1_TO_BF16X2, "=r,=r,=r,=r,r,r,r", [codes, factor], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-            pack=4,
-        )  # fmt: skip
-        return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
-    low = ((codes << 4) & 0x80) | ((codes << 2) & 0x1C)
-    high = (codes & 0x80) | ((codes >> 2) & 0x1C)
-    if NV:
-        factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * global_scale * 64.0)[:, :, None]
+        factor = tl.broadcast_to(factor[:, :, None], words.shape)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _E2M1_TO_BF16X2, "=r,=r,=r,=r,r,r", [words, factor], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2
+        )
     else:
-        factor = pow2(scale.to(tl.int32) - 121)[:, :, None]
-    even = (low.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
-    odd = (high.to(tl.float8e4nv, bitcast=True).to(tl.float32) * factor).to(DTYPE)
-    return tl.reshape(even, (rows, width)), tl.reshape(odd, (rows, width))
+        if NV:
+            factor = (scale.to(tl.float8e4nv, bitcast=True).to(tl.float32) * global_scale * 64.0)[:, :, None]
+        else:
+            factor = pow2(scale.to(tl.int32) - 121)[:, :, None]
+        p0 = (_phase_to_e4m3(words).to(tl.float32) * factor).to(DTYPE)
+        p1 = (_phase_to_e4m3(words >> 4).to(tl.float32) * factor).to(DTYPE)
+        p2 = (_phase_to_e4m3(words >> 8).to(tl.float32) * factor).to(DTYPE)
+        p3 = (_phase_to_e4m3(words >> 12).to(tl.float32) * factor).to(DTYPE)
+    shape: tl.constexpr = (rows, width)
+    return tl.reshape(p0, shape), tl.reshape(p1, shape), tl.reshape(p2, shape), tl.reshape(p3, shape)
 
 
 @triton.jit
 def _fp4_tile_offsets(e, rows, stride_we, stride_wr, stride_se, stride_sr, BLOCK_K: tl.constexpr, G: tl.constexpr):
-    """Byte offsets of one expert's code tile [rows, BLOCK_K/G, G/2] and scale tile [rows, BLOCK_K/G] at K = 0."""
+    """Offsets of one expert's code tile [rows, BLOCK_K/G, G/4] (16-bit words) and scale tile [rows, BLOCK_K/G]
+    (bytes) at K = 0; the code strides count words."""
     blocks = tl.arange(0, BLOCK_K // G)
-    byte = tl.arange(0, G // 2)
-    codes = (e.to(tl.int64) * stride_we + rows[:, None, None] * stride_wr + blocks[None, :, None] * (G // 2)
-             + byte[None, None])  # fmt: skip
+    word = tl.arange(0, G // 4)
+    codes = (e.to(tl.int64) * stride_we + rows[:, None, None] * stride_wr + blocks[None, :, None] * (G // 4)
+             + word[None, None])  # fmt: skip
     scales = e.to(tl.int64) * stride_se + rows[:, None] * stride_sr + blocks[None, :]
     return codes, scales
+
+
+@triton.jit
+def _load_phases(ptrs, k, mask):
+    """The activations at K = k + 4j + p for p = 0..3 (ptrs: [K/4, M] pointers at 4j)."""
+    a0 = tl.load(ptrs + k, mask=mask, other=0.0)
+    a1 = tl.load(ptrs + k + 1, mask=mask, other=0.0)
+    a2 = tl.load(ptrs + k + 2, mask=mask, other=0.0)
+    a3 = tl.load(ptrs + k + 3, mask=mask, other=0.0)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _dot_phases(w0, w1, w2, w3, a0, a1, a2, a3, acc, F32_DOT: tl.constexpr):
+    """acc + the four K phases' products: w_p [R, K/4] x a_p [K/4, M]."""
+    return _dot(w3, a3, _dot(w2, a2, _dot(w1, a1, _dot(w0, a0, acc, F32_DOT), F32_DOT), F32_DOT), F32_DOT)
 
 
 @triton.jit
@@ -180,7 +206,7 @@ def _fp4_gate_up_kernel(
         g3 = tl.load(g3_ptr + e) if NV else 1.0
         i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         w_offs, s_offs = _fp4_tile_offsets(e, i, stride_we, stride_wi, stride_se, stride_si, BLOCK_K, G)
-        even = 2 * tl.arange(0, BLOCK_K // 2)
+        quarter = 4 * tl.arange(0, BLOCK_K // 4)
         dtype = h_ptr.dtype.element_ty
         k_start = tl.program_id(2) * (D // SPLITS)
         k_last = k_start + D // SPLITS - BLOCK_K
@@ -188,23 +214,21 @@ def _fp4_gate_up_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             valid = rows < end
             pair = tl.load(pair_ptr + rows, mask=valid, other=0)
-            x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + even[:, None]  # [BLOCK_K / 2, BLOCK_M]
+            x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + quarter[:, None]  # [BLOCK_K / 4, BLOCK_M]
             gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
             up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
             # Triton pipelines the code tiles but not these narrow loads: each is issued a K step ahead
-            x_even = tl.load(x_ptrs + k_start, mask=valid[None, :], other=0.0)
-            x_odd = tl.load(x_ptrs + k_start + 1, mask=valid[None, :], other=0.0)
+            x0, x1, x2, x3 = _load_phases(x_ptrs, k_start, valid[None, :])
             sc1, sc3 = tl.load(s1_ptr + s_offs + k_start // G), tl.load(s3_ptr + s_offs + k_start // G)
             for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):
                 k1 = tl.minimum(k0 + BLOCK_K, k_last)  # the next step's (the last step reloads its own)
-                x_even_next = tl.load(x_ptrs + k1, mask=valid[None, :], other=0.0)
-                x_odd_next = tl.load(x_ptrs + k1 + 1, mask=valid[None, :], other=0.0)
+                x0_next, x1_next, x2_next, x3_next = _load_phases(x_ptrs, k1, valid[None, :])
                 sc1_next, sc3_next = tl.load(s1_ptr + s_offs + k1 // G), tl.load(s3_ptr + s_offs + k1 // G)
-                g_even, g_odd = _upcast(tl.load(w1_ptr + w_offs + k0 // 2), sc1, g1, NV, dtype, BF16X2)
-                u_even, u_odd = _upcast(tl.load(w3_ptr + w_offs + k0 // 2), sc3, g3, NV, dtype, BF16X2)
-                gate = _dot(g_odd, x_odd, _dot(g_even, x_even, gate, F32_DOT), F32_DOT)
-                up = _dot(u_odd, x_odd, _dot(u_even, x_even, up, F32_DOT), F32_DOT)
-                x_even, x_odd, sc1, sc3 = x_even_next, x_odd_next, sc1_next, sc3_next
+                g0, g1_, g2, g3_ = _upcast(tl.load(w1_ptr + w_offs + k0 // 4), sc1, g1, NV, dtype, BF16X2)
+                gate = _dot_phases(g0, g1_, g2, g3_, x0, x1, x2, x3, gate, F32_DOT)
+                u0, u1, u2, u3 = _upcast(tl.load(w3_ptr + w_offs + k0 // 4), sc3, g3, NV, dtype, BF16X2)
+                up = _dot_phases(u0, u1, u2, u3, x0, x1, x2, x3, up, F32_DOT)
+                x0, x1, x2, x3, sc1, sc3 = x0_next, x1_next, x2_next, x3_next, sc1_next, sc3_next
             if SPLITS > 1:
                 part = part_ptr + tl.program_id(2) * stride_ps + rows[None, :] * (2 * INTER) + i[:, None]
                 tl.store(part, gate, mask=valid[None, :])
@@ -245,7 +269,7 @@ def _fp4_down_kernel(
         g2 = tl.load(g2_ptr + e) if NV else 1.0
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         w_offs, s_offs = _fp4_tile_offsets(e, d, stride_we, stride_wd, stride_se, stride_sd, BLOCK_K, G)
-        even = 2 * tl.arange(0, BLOCK_K // 2)
+        quarter = 4 * tl.arange(0, BLOCK_K // 4)
         dtype = y_ptr.dtype.element_ty
         k_start = tl.program_id(2) * (INTER // SPLITS)
         k_last = k_start + INTER // SPLITS - BLOCK_K
@@ -253,19 +277,17 @@ def _fp4_down_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             valid = rows < end
             pair = tl.load(pair_ptr + rows, mask=valid, other=0)
-            h_ptrs = h_ptr + rows[None, :] * stride_hm + even[:, None]
+            h_ptrs = h_ptr + rows[None, :] * stride_hm + quarter[:, None]
             acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-            h_even = tl.load(h_ptrs + k_start, mask=valid[None, :], other=0.0)
-            h_odd = tl.load(h_ptrs + k_start + 1, mask=valid[None, :], other=0.0)
+            h0, h1, h2, h3 = _load_phases(h_ptrs, k_start, valid[None, :])
             sc2 = tl.load(s2_ptr + s_offs + k_start // G)
             for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):  # the narrow loads a step ahead, as in gate/up
                 k1 = tl.minimum(k0 + BLOCK_K, k_last)
-                h_even_next = tl.load(h_ptrs + k1, mask=valid[None, :], other=0.0)
-                h_odd_next = tl.load(h_ptrs + k1 + 1, mask=valid[None, :], other=0.0)
+                h0_next, h1_next, h2_next, h3_next = _load_phases(h_ptrs, k1, valid[None, :])
                 sc2_next = tl.load(s2_ptr + s_offs + k1 // G)
-                w_even, w_odd = _upcast(tl.load(w2_ptr + w_offs + k0 // 2), sc2, g2, NV, dtype, BF16X2)
-                acc = _dot(w_odd, h_odd, _dot(w_even, h_even, acc, F32_DOT), F32_DOT)
-                h_even, h_odd, sc2 = h_even_next, h_odd_next, sc2_next
+                w0, w1, w2, w3 = _upcast(tl.load(w2_ptr + w_offs + k0 // 4), sc2, g2, NV, dtype, BF16X2)
+                acc = _dot_phases(w0, w1, w2, w3, h0, h1, h2, h3, acc, F32_DOT)
+                h0, h1, h2, h3, sc2 = h0_next, h1_next, h2_next, h3_next, sc2_next
             if SPLITS > 1:
                 tl.store(part_ptr + tl.program_id(2) * stride_ps + pair[None, :] * D + d[:, None], acc,
                          mask=valid[None, :])  # fmt: skip
@@ -287,6 +309,15 @@ def _fp4_down_kernel(
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes [E, R, C/2] as 16-bit words [E, R, C/4], four codes a word (the kernels' unit)."""
+    try:
+        return codes.view(torch.int16)
+    except RuntimeError as error:
+        raise ValueError(f"FP4 codes {tuple(codes.shape)} with strides {codes.stride()} do not read as 16-bit words "
+                         "(rows of an even number of bytes, K contiguous)") from error  # fmt: skip
 
 
 def expert_splits(programs: int, k_steps: int, device: torch.device) -> int:
@@ -319,11 +350,11 @@ def moe_expert_pairs_fp4_triton(
     block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
     block_i, block_d = min(block_i, inter), min(block_d, dim)
     block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)
-    c1, c3, c2 = _bytes(w1.codes), _bytes(w3.codes), _bytes(w2.codes)
+    c1, c3, c2 = _words(w1.codes), _words(w3.codes), _words(w2.codes)
     s1, s3, s2 = _bytes(w1.scale), _bytes(w3.scale), _bytes(w2.scale)
     if (inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or block_k_up % MX_BLOCK
             or block_k_down % MX_BLOCK or c1.stride() != c3.stride() or s1.stride() != s3.stride()
-            or tuple(c2.shape) != (n_experts, dim, inter // 2) or c1.stride(2) != 1 or c2.stride(2) != 1
+            or tuple(c2.shape) != (n_experts, dim, inter // 4) or c1.stride(2) != 1 or c2.stride(2) != 1
             or s1.stride(2) != 1 or s2.stride(2) != 1 or s1.shape[2] * group != dim
             or any((w.global_scale is not None) != nv for w in (w3, w2))):  # fmt: skip
         raise ValueError(f"FP4 experts D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}, or their "

@@ -77,10 +77,12 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
         quantized = m > fp8.QUANTIZE_FIRST_M
         out[f"fp8 decode M={m}"] = compile_shared(fp8._decode_kernel, dict(
             x_ptr="*fp8e4nv" if quantized else "*bf16", sa_ptr="*fp32" if quantized else "*bf16", w_ptr="*fp8e4nv",
-            s_ptr="*u8", out_ptr="*fp32", M="i32", K="i32", kb_per_split="i32", stride_xm="i32", stride_xg="i32",
-            stride_sam="i32", stride_sag="i32", stride_wn="i32", stride_s="i32", stride_om="i32", stride_os="i32",
-        ), dict(R=4096, TILES=4096 // block_n, E8M0=True, QUANTIZED=quantized, BLOCK_M=max(16, m), BLOCK_N=block_n,
-                F32_DOT=False, TINY=fp8.FP8_TINY), 4, on_target(arch, fp8.decode_stages, device, m))  # fmt: skip
+            s_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32", M="i32", K="i32",
+            kb_per_split="i32", stride_xm="i32", stride_xg="i32", stride_sam="i32", stride_sag="i32", stride_wn="i32",
+            stride_s="i32", stride_om="i32", stride_ps="i32",
+        ), dict(R=4096, TILES=4096 // block_n, E8M0=True, QUANTIZED=quantized, SPLITS=4, BLOCK_M=max(16, m),
+                BLOCK_N=block_n, F32_DOT=False, TINY=fp8.FP8_TINY), 4,
+            on_target(arch, fp8.decode_stages, device, m))  # fmt: skip
     out["fp8 quantize"] = compile_shared(fp8._quantize_kernel, dict(
         x_ptr="*bf16", codes_ptr="*fp8e4nv", scale_ptr="*fp32", rows="i32", K="i32", stride_x="i32",
     ), dict(ROWS=32, TINY=fp8.FP8_TINY, EXACT_CAST=False), 4, 1)  # fmt: skip
@@ -92,18 +94,18 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
         on_target(arch, fp8.prefill_stages, device))  # fmt: skip
     for (layout, group, nv), block_m in itertools.product((("mxfp4", 32, False), ("nvfp4", 16, True)), (16, 32)):
         out[f"{layout} gate_up BLOCK_M={block_m}"] = compile_shared(_fp4_gate_up_kernel, dict(
-            x_ptr="*bf16", w1_ptr="*u8", s1_ptr="*u8", g1_ptr="*fp32", w3_ptr="*u8", s3_ptr="*u8", g3_ptr="*fp32",
+            x_ptr="*bf16", w1_ptr="*i16", s1_ptr="*u8", g1_ptr="*fp32", w3_ptr="*i16", s3_ptr="*u8", g3_ptr="*fp32",
             pair_ptr="*i64", weights_ptr="*fp32", active_ptr="*i64", offsets_ptr="*i64", h_ptr="*bf16",
-            stride_xn="i32", stride_we="i32", stride_wi="i32", stride_se="i32", stride_si="i32", stride_hm="i32",
-            limit="fp32",
-        ), dict(E=256, TOP_K=6, D=4096, CLAMP=True, G=group, NV=nv, BLOCK_M=block_m, BLOCK_I=64, BLOCK_K=128,
-                F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
+            part_ptr="*fp32", counter_ptr="*i32", stride_xn="i32", stride_we="i32", stride_wi="i32", stride_se="i32",
+            stride_si="i32", stride_hm="i32", stride_ps="i32", limit="fp32",
+        ), dict(E=256, TOP_K=6, D=4096, INTER=2048, CLAMP=True, G=group, NV=nv, SPLITS=2, BLOCK_M=block_m,
+                BLOCK_I=64, BLOCK_K=128, F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
         out[f"{layout} down BLOCK_M={block_m}"] = compile_shared(_fp4_down_kernel, dict(
-            h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8", g2_ptr="*fp32", pair_ptr="*i64", active_ptr="*i64",
-            offsets_ptr="*i64", y_ptr="*bf16", stride_hm="i32", stride_we="i32", stride_wd="i32", stride_se="i32",
-            stride_sd="i32", stride_ym="i32",
-        ), dict(E=256, INTER=2048, G=group, NV=nv, BLOCK_M=block_m, BLOCK_D=64, BLOCK_K=128, F32_DOT=False,
-                BF16X2=not nv), 4, 3)  # fmt: skip
+            h_ptr="*bf16", w2_ptr="*i16", s2_ptr="*u8", g2_ptr="*fp32", pair_ptr="*i64", active_ptr="*i64",
+            offsets_ptr="*i64", y_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32", stride_hm="i32",
+            stride_we="i32", stride_wd="i32", stride_se="i32", stride_sd="i32", stride_ym="i32", stride_ps="i32",
+        ), dict(E=256, D=4096, INTER=2048, G=group, NV=nv, SPLITS=2, BLOCK_M=block_m, BLOCK_D=64, BLOCK_K=128,
+                F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
     return out
 
 
