@@ -27,10 +27,12 @@ the product is the reference's code x fl32(scale x global)). ue8m0 scales up to 
 checkpoint's are near 2**-10.
 
 The codes are read as 16-bit words, four codes a word, and each K tile's dot is split into four K phases (phase p: the
-values at K = 4j + p, nibble p of word j; the activations loaded likewise), so no shuffle puts values back in order:
-each thread's words reach the MMA operand's registers by ldmatrix, two neighbouring words a register, and every
-upcast instruction makes finished bf16 pairs (sm_90 SASS of the gate/up loop at BLOCK_M 16: 566 instructions a K step
-of 128, 21 of them byte permutes, against 684 and 157 when bytes were the unit and the dot split in two).
+values at K = 4j + p, nibble p of word j), so no shuffle puts values back in order: each thread's words reach the MMA
+operand's registers by ldmatrix, two neighbouring words a register, and every upcast instruction makes finished bf16
+pairs. The activations arrive phase-major (each tile's phase 0, then 1, 2, 3: x rearranged by one copy, h so written by
+the gate/up launch), so each phase's tile is contiguous and Triton pipelines it beside the codes. sm_90 SASS of the
+gate/up loop at BLOCK_M 16: 535 instructions a K step of 128 (down: 307 for half the values), against 684 (157 of them
+byte permutes) when bytes were the unit, the dot split in two and the activations loaded two bytes at a time.
 
 The weights are taken in the checkpoint's layout (`PackedFp4`): w1, w3 [E, I, D/2] (uint8 or int8) with scales
 [E, I, D/g] and w2 [E, D, I/2] with [E, D, I/g] (g = 32 for ue8m0 scales, 16 for e4m3 ones, which come with a global
@@ -161,13 +163,21 @@ def _fp4_tile_offsets(e, rows, stride_we, stride_wr, stride_se, stride_sr, BLOCK
 
 
 @triton.jit
-def _load_phases(ptrs, k, mask):
-    """The activations at K = k + 4j + p for p = 0..3 (ptrs: [K/4, M] pointers at 4j)."""
+def _load_phases(ptrs, k, mask, BLOCK_K: tl.constexpr):
+    """The four K phases of an activation tile stored phase-major (phase_major): ptrs [BLOCK_K/4, M] at the tile's
+    phase 0, k the tile's start."""
     a0 = tl.load(ptrs + k, mask=mask, other=0.0)
-    a1 = tl.load(ptrs + k + 1, mask=mask, other=0.0)
-    a2 = tl.load(ptrs + k + 2, mask=mask, other=0.0)
-    a3 = tl.load(ptrs + k + 3, mask=mask, other=0.0)
+    a1 = tl.load(ptrs + k + BLOCK_K // 4, mask=mask, other=0.0)
+    a2 = tl.load(ptrs + k + BLOCK_K // 2, mask=mask, other=0.0)
+    a3 = tl.load(ptrs + k + 3 * BLOCK_K // 4, mask=mask, other=0.0)
     return a0, a1, a2, a3
+
+
+@triton.jit
+def _phase_major(i, BLOCK_K: tl.constexpr):
+    """Where K index i lives in a phase-major row: within its tile of BLOCK_K, phase i % 4 first, then i // 4."""
+    within = i % BLOCK_K
+    return i - within + (within % 4) * (BLOCK_K // 4) + within // 4
 
 
 @triton.jit
@@ -177,13 +187,16 @@ def _dot_phases(w0, w1, w2, w3, a0, a1, a2, a3, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP: tl.constexpr):
-    """h rows = routing weight x swiglu(gate, up), clamped as the reference, in h's dtype."""
+def _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP: tl.constexpr,
+                  H_BLOCK_K: tl.constexpr):  # fmt: skip
+    """h rows = routing weight x swiglu(gate, up), clamped as the reference, in h's dtype, phase-major by the down
+    launch's K tile (H_BLOCK_K)."""
     if CLAMP:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate * tl.sigmoid(gate) * up * tl.load(weights_ptr + pair, mask=valid, other=0.0)[None, :]
-    tl.store(h_ptr + rows[None, :] * stride_hm + i[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :])
+    at = _phase_major(i, H_BLOCK_K)
+    tl.store(h_ptr + rows[None, :] * stride_hm + at[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :])
 
 
 @triton.jit
@@ -192,7 +205,7 @@ def _fp4_gate_up_kernel(
     part_ptr, counter_ptr, stride_xn, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_ps, limit,
     E: tl.constexpr, TOP_K: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, CLAMP: tl.constexpr, G: tl.constexpr,
     NV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
+    H_BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BF16X2: tl.constexpr,
 ):  # fmt: skip
     """moe._gate_up_kernel over packed weights: one expert's rows [tile * BLOCK_I, +BLOCK_I) of w1 and w3 against all
     of that expert's pairs over K split `program_id(2)` of SPLITS, transposed (weights as the dot's M side). g1, g3:
@@ -206,7 +219,7 @@ def _fp4_gate_up_kernel(
         g3 = tl.load(g3_ptr + e) if NV else 1.0
         i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         w_offs, s_offs = _fp4_tile_offsets(e, i, stride_we, stride_wi, stride_se, stride_si, BLOCK_K, G)
-        quarter = 4 * tl.arange(0, BLOCK_K // 4)
+        quarter = tl.arange(0, BLOCK_K // 4)
         dtype = h_ptr.dtype.element_ty
         k_start = tl.program_id(2) * (D // SPLITS)
         k_last = k_start + D // SPLITS - BLOCK_K
@@ -214,27 +227,27 @@ def _fp4_gate_up_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             valid = rows < end
             pair = tl.load(pair_ptr + rows, mask=valid, other=0)
-            x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + quarter[:, None]  # [BLOCK_K / 4, BLOCK_M]
+            # x phase-major ([BLOCK_K / 4, BLOCK_M] a phase, K contiguous): Triton pipelines it with the codes
+            x_ptrs = x_ptr + (pair // TOP_K)[None, :] * stride_xn + quarter[:, None]
             gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
             up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
-            # Triton pipelines the code tiles but not these narrow loads: each is issued a K step ahead
-            x0, x1, x2, x3 = _load_phases(x_ptrs, k_start, valid[None, :])
+            # the scales feed registers, which Triton does not pipeline: each is issued a K step ahead
             sc1, sc3 = tl.load(s1_ptr + s_offs + k_start // G), tl.load(s3_ptr + s_offs + k_start // G)
             for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):
                 k1 = tl.minimum(k0 + BLOCK_K, k_last)  # the next step's (the last step reloads its own)
-                x0_next, x1_next, x2_next, x3_next = _load_phases(x_ptrs, k1, valid[None, :])
                 sc1_next, sc3_next = tl.load(s1_ptr + s_offs + k1 // G), tl.load(s3_ptr + s_offs + k1 // G)
+                x0, x1, x2, x3 = _load_phases(x_ptrs, k0, valid[None, :], BLOCK_K)
                 g0, g1_, g2, g3_ = _upcast(tl.load(w1_ptr + w_offs + k0 // 4), sc1, g1, NV, dtype, BF16X2)
                 gate = _dot_phases(g0, g1_, g2, g3_, x0, x1, x2, x3, gate, F32_DOT)
                 u0, u1, u2, u3 = _upcast(tl.load(w3_ptr + w_offs + k0 // 4), sc3, g3, NV, dtype, BF16X2)
                 up = _dot_phases(u0, u1, u2, u3, x0, x1, x2, x3, up, F32_DOT)
-                x0, x1, x2, x3, sc1, sc3 = x0_next, x1_next, x2_next, x3_next, sc1_next, sc3_next
+                sc1, sc3 = sc1_next, sc3_next
             if SPLITS > 1:
                 part = part_ptr + tl.program_id(2) * stride_ps + rows[None, :] * (2 * INTER) + i[:, None]
                 tl.store(part, gate, mask=valid[None, :])
                 tl.store(part + INTER, up, mask=valid[None, :])
             else:
-                _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP)
+                _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP, H_BLOCK_K)
         if SPLITS > 1:
             last = arrives_last(counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS)
             if last:
@@ -249,7 +262,9 @@ def _fp4_gate_up_kernel(
                         gate += tl.load(part + s * stride_ps, mask=valid[None, :], other=0.0, cache_modifier=".cg")
                         up += tl.load(part + s * stride_ps + INTER, mask=valid[None, :], other=0.0,
                                       cache_modifier=".cg")  # fmt: skip
-                    _swiglu_store(gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP)
+                    _swiglu_store(
+                        gate, up, pair, rows, valid, weights_ptr, h_ptr, stride_hm, i, limit, CLAMP, H_BLOCK_K
+                    )
 
 
 @triton.jit
@@ -269,7 +284,7 @@ def _fp4_down_kernel(
         g2 = tl.load(g2_ptr + e) if NV else 1.0
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         w_offs, s_offs = _fp4_tile_offsets(e, d, stride_we, stride_wd, stride_se, stride_sd, BLOCK_K, G)
-        quarter = 4 * tl.arange(0, BLOCK_K // 4)
+        quarter = tl.arange(0, BLOCK_K // 4)
         dtype = y_ptr.dtype.element_ty
         k_start = tl.program_id(2) * (INTER // SPLITS)
         k_last = k_start + INTER // SPLITS - BLOCK_K
@@ -277,17 +292,16 @@ def _fp4_down_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             valid = rows < end
             pair = tl.load(pair_ptr + rows, mask=valid, other=0)
-            h_ptrs = h_ptr + rows[None, :] * stride_hm + quarter[:, None]
+            h_ptrs = h_ptr + rows[None, :] * stride_hm + quarter[:, None]  # h phase-major, as gate/up wrote it
             acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-            h0, h1, h2, h3 = _load_phases(h_ptrs, k_start, valid[None, :])
             sc2 = tl.load(s2_ptr + s_offs + k_start // G)
-            for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):  # the narrow loads a step ahead, as in gate/up
+            for k0 in range(k_start, k_last + BLOCK_K, BLOCK_K):  # the scales a step ahead, as in gate/up
                 k1 = tl.minimum(k0 + BLOCK_K, k_last)
-                h0_next, h1_next, h2_next, h3_next = _load_phases(h_ptrs, k1, valid[None, :])
                 sc2_next = tl.load(s2_ptr + s_offs + k1 // G)
+                h0, h1, h2, h3 = _load_phases(h_ptrs, k0, valid[None, :], BLOCK_K)
                 w0, w1, w2, w3 = _upcast(tl.load(w2_ptr + w_offs + k0 // 4), sc2, g2, NV, dtype, BF16X2)
                 acc = _dot_phases(w0, w1, w2, w3, h0, h1, h2, h3, acc, F32_DOT)
-                h0, h1, h2, h3, sc2 = h0_next, h1_next, h2_next, h3_next, sc2_next
+                sc2 = sc2_next
             if SPLITS > 1:
                 tl.store(part_ptr + tl.program_id(2) * stride_ps + pair[None, :] * D + d[:, None], acc,
                          mask=valid[None, :])  # fmt: skip
@@ -309,6 +323,13 @@ def _fp4_down_kernel(
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def phase_major(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [N, K] with each tile of block_k values rearranged phase-major (the values at K = 4j + p for phase p = 0..3
+    in turn), as the kernels read activations: one copy."""
+    n, k = x.shape
+    return x.reshape(n, k // block_k, block_k // 4, 4).transpose(2, 3).contiguous().view(n, k)
 
 
 def _words(codes: torch.Tensor) -> torch.Tensor:
@@ -361,8 +382,8 @@ def moe_expert_pairs_fp4_triton(
                          "codes / scales are not laid out alike with K contiguous")  # fmt: skip
     # MXFP4 has no global scales: the scale tensors stand in for the pointers the kernels then never read
     g1, g3, g2 = (w.global_scale if nv else s for w, s in ((w1, s1), (w3, s3), (w2, s2)))
-    x = x.contiguous()
     order, offsets, active, y = sort_pairs(ids, n_experts, touched, remote, dim, x)
+    x = phase_major(x, block_k_up)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference
     f32_dot = x.dtype == torch.float32 or interpreting()
     bf16x2 = bf16x2 and x.dtype == torch.bfloat16 and not nv and not interpreting()
@@ -382,7 +403,7 @@ def moe_expert_pairs_fp4_triton(
         x.stride(0), c1.stride(0), c1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
         part_up.stride(0) if splits_up > 1 else 0, limit,
         E=n_experts, TOP_K=top_k, D=dim, INTER=inter, CLAMP=limit > 0, G=group, NV=nv, SPLITS=splits_up,
-        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, F32_DOT=f32_dot, BF16X2=bf16x2,
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k_up, H_BLOCK_K=block_k_down, F32_DOT=f32_dot, BF16X2=bf16x2,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _fp4_down_kernel[(*grid_down, splits_down)](

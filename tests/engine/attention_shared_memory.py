@@ -99,7 +99,7 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
             part_ptr="*fp32", counter_ptr="*i32", stride_xn="i32", stride_we="i32", stride_wi="i32", stride_se="i32",
             stride_si="i32", stride_hm="i32", stride_ps="i32", limit="fp32",
         ), dict(E=256, TOP_K=6, D=4096, INTER=2048, CLAMP=True, G=group, NV=nv, SPLITS=2, BLOCK_M=block_m,
-                BLOCK_I=64, BLOCK_K=128, F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
+                BLOCK_I=64, BLOCK_K=128, H_BLOCK_K=128, F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
         out[f"{layout} down BLOCK_M={block_m}"] = compile_shared(_fp4_down_kernel, dict(
             h_ptr="*bf16", w2_ptr="*i16", s2_ptr="*u8", g2_ptr="*fp32", pair_ptr="*i64", active_ptr="*i64",
             offsets_ptr="*i64", y_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32", stride_hm="i32",
