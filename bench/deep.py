@@ -51,6 +51,24 @@ def head_us(model, batch_size: int) -> float:
     return median_us(graph.replay, reps=30)
 
 
+def kernel_profile(replay, steps: int = 3) -> list[dict]:
+    """Each kernel's GPU time and calls per step over `steps` graph replays (torch.profiler), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": event.key, "us_per_step": us / steps, "calls_per_step": event.count / steps})
+    return sorted(rows, key=lambda row: -row["us_per_step"])
+
+
 def prefill_seconds(alone: Standalone, gen: torch.Generator, reps: int = 3) -> float:
     """Median seconds of one PREFILL-token prompt run as a single step, its last token's logits included."""
     times = []
@@ -129,6 +147,13 @@ def main() -> None:
         lines.append(f"| {batch_size} | {graph_us:.0f} | {roofline_us:.0f} | {roofline_us / graph_us:.2f} | "
                      f"{head:.0f} | {per_layer:.0f} | {full_ms:.2f} | {mb} |")  # fmt: skip
         print(lines[-1], flush=True)
+        if batch_size == 1:
+            try:  # the profile explains the step; a profiler that sees no graph kernels leaves it out
+                profile_rows = kernel_profile(booted.graphs.graphs[batch_size].replay)
+            except Exception as error:  # noqa: BLE001 -- reported, the run's figures kept
+                print(f"no kernel profile: {error!r}", flush=True)
+                profile_rows = []
+            results["profile_b1"] = profile_rows
         for state in states:
             alone.release_state(state)
     results["extrapolated_tpot_ms_c1"] = results["batches"][1]["extrapolated_step_ms"]
@@ -154,6 +179,15 @@ def main() -> None:
         f"- prefill of an {PREFILL}-token prompt in one step: {prefill:.2f} s = {PREFILL / prefill:.0f} tok/s",
         "",
     ]
+    profile_rows = results.get("profile_b1", [])
+    if profile_rows:
+        total = sum(row["us_per_step"] for row in profile_rows)
+        lines += ["", f"Where a batch-1 step's GPU time goes (torch.profiler over graph replays; {total:.0f} µs of "
+                  f"kernels a step, {total / args.layers:.0f} µs a layer):", "",
+                  "| kernel | µs a step | share | calls a step | µs a call |", "|---|---|---|---|---|"]  # fmt: skip
+        for row in profile_rows[:30]:
+            us, calls = row["us_per_step"], row["calls_per_step"]
+            lines.append(f"| {row['kernel'][:70]} | {us:.0f} | {us / total:.1%} | {calls:.0f} | {us / calls:.1f} |")
     (args.out / "deep.md").write_text("\n".join(head_lines + lines) + "\n")
     (args.out / "deep.svg").write_text(chart(results))
     print("\n".join(head_lines + lines))
