@@ -1,6 +1,7 @@
 """The prefix cache's benchmark (issue 26), meant for the H200: `python -m engine serve` on the V4-Flash-width model
-of bench/shapes.py (seeded random bf16 weights made on the GPU), once with the prefix cache and once without
-(`--no-prefix-cache`), each driven through /v1/chat/completions as a coding agent drives it:
+of bench/shapes.py (seeded random weights made on the GPU, in the formats V4-Flash ships: FP8 dense, MXFP4 experts;
+`--weights bf16` for the bf16 stand-in, `--layers N` for V4-Flash's own first N layers), once with the prefix cache
+and once without (`--no-prefix-cache`), each driven through /v1/chat/completions as a coding agent drives it:
 
 - an agent-shaped session of 8 turns with tools: a system prompt, the tools, a file the agent read (about 16K
   tokens in all), then each turn re-sends the assistant's earlier answers and a tool result of about 1K new tokens
@@ -15,6 +16,7 @@ Writes prefix.json and prefix.md with turn_ttft_ratio (mean TTFT of turns 2-8 wi
 session_hit_rate, burst_cached_fraction, decode_ratio_cache_on, gpu, commit, date.
 
     python bench/prefix.py --out bench/results       # on the GPU machine
+    python bench/prefix.py --out DIR --layers 36     # the deepest V4-Flash one H200 holds
     python bench/prefix.py --smoke                   # the tiny checkpoint on the CPU, small sizes: its machinery
 """
 
@@ -188,8 +190,11 @@ def summary(on: dict, off: dict) -> dict:
 
 def markdown(report: dict) -> str:
     s, on, off = report["summary"], report["cache_on"], report["cache_off"]
+    weights = "FP8 dense, MXFP4 experts" if report["weights"] == "official" else "bf16"
     lines = [f"# Prefix cache — {report['gpu']}, {report['date']}, commit {report['commit']}", "",
              "`python bench/prefix.py --out bench/results`" + (" (--smoke)" if report["smoke"] else ""), "",
+             f"{report['layers']} layers" + (" of the tiny checkpoint" if report["smoke"] else " at V4-Flash's width")
+             + f", weights {weights}.", "",
              "| metric | value | target |", "|---|---|---|",
              f"| turn_ttft_ratio (turns 2-8, cache / none) | {s['turn_ttft_ratio']} | <= 0.10 |",
              f"| session_hit_rate (turns 2-8) | {s['session_hit_rate']} | >= 0.90 |",
@@ -207,21 +212,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="directory for prefix.json and prefix.md")
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint on the CPU, small sizes")
+    parser.add_argument("--weights", choices=("official", "bf16"), default="official",
+                        help="FP8 dense and MXFP4 experts as V4-Flash ships them, or bf16 throughout")  # fmt: skip
+    parser.add_argument("--layers", type=int, help="V4-Flash's own first N layers instead of bench/shapes.py's four")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:
             from engine.tools.make_tiny import make_tiny
 
-            model, flags = str(make_tiny(Path(tmp) / "tiny")), SMOKE_FLAGS
+            layout = "official" if args.weights == "official" else "hf"
+            model, flags = str(make_tiny(Path(tmp) / "tiny", layout=layout)), SMOKE_FLAGS
         else:
-            model, flags = str(write_model_dir(Path(tmp) / "v4-flash-width")), ENGINE_FLAGS
+            official = args.weights == "official"
+            model_dir = write_model_dir(Path(tmp) / "v4-flash-width", official_formats=official, layers=args.layers)
+            model, flags = str(model_dir), ENGINE_FLAGS
         logs = args.out or Path(tmp)  # beside the results, kept also when a run fails
         logs.mkdir(parents=True, exist_ok=True)
         on = measure(model, flags, sizes, logs / "prefix-engine-on.log")
         off = measure(model, [*flags, "--no-prefix-cache"], sizes, logs / "prefix-engine-off.log")
-    report = {**provenance(), "gpu": on["gpu"], "smoke": args.smoke, "sizes": sizes, "summary": summary(on, off),
-              "cache_on": on, "cache_off": off}  # fmt: skip
+        layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    report = {**provenance(), "gpu": on["gpu"], "smoke": args.smoke, "weights": args.weights, "layers": layers,
+              "sizes": sizes, "summary": summary(on, off), "cache_on": on, "cache_off": off}  # fmt: skip
     print(json.dumps(report["summary"], indent=2))
     if args.out:
         (args.out / "prefix.json").write_text(json.dumps(report, indent=2) + "\n")

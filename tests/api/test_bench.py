@@ -45,6 +45,9 @@ def test_the_prefix_cache_benchmark_smoke_run(tmp_path):
     assert 0 < summary["session_hit_rate"] < 1 and 0 < summary["burst_cached_fraction"] < 1
     assert summary["turn_ttft_ratio"] > 0 and summary["decode_ratio_cache_on"] > 0
     assert "turn_ttft_ratio" in (tmp_path / "prefix.md").read_text()
+    # V4-Flash's shipped formats by default, through their own kernels' references
+    assert report["weights"] == "official" and '"routed_experts": "Mxfp4Experts"' in (
+        tmp_path / "prefix-engine-on.log").read_text()  # fmt: skip
 
 
 def test_the_host_ops_count_smoke_run(tmp_path):
