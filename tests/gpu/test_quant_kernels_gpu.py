@@ -102,6 +102,30 @@ def test_fp8_linear_in_a_cuda_graph():
     assert not tile_counters(outs[0].device, 1).any()
 
 
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_linears_chained_with_programmatic_dependent_launch(m):
+    """Each linear reads the one before's output: launched to overlap it (prefetching its weights, then waiting for
+    it), replays give the bits of the plain chain, eager and in a graph, K split or not."""
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    weights = [_fp8_weight(*SHAPES["shared_w13"], gen) for _ in range(4)]
+    x = torch.randn(m, 4096, device=DEV, generator=gen).bfloat16()
+
+    def chain(pdl: bool):
+        h = x
+        for w in weights:
+            h = fp8_block_linear_triton(h, *w, pdl=pdl)
+        return [h]
+
+    want = chain(False)[0]
+    assert torch.equal(chain(True)[0], want)
+    graph, (out,) = capture(lambda: chain(True))
+    for _ in range(20):
+        x.normal_(generator=gen)
+        graph.replay()
+        assert torch.equal(out, chain(False)[0])
+    assert not tile_counters(out.device, 1).any()
+
+
 @pytest.fixture(scope="module")
 def experts():
     """Packed codes (random bytes) and ue8m0 scales near 2**-8: w1, w3 [E, I, D/2] + [E, I, D/32], w2 [E, D, I/2] +
