@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import interpreting, multiprocessors, shared_memory_limit, use_triton
-from engine.kernels.pdl import after_previous_grid, pdl_supported, prefetch_l2
+from engine.kernels.pdl import after_previous_grid, pdl_supported
+from engine.kernels.prefetch import prefetch_l2
 from engine.kernels.quant import FP8_MAX, block_scales, e8m0_to_float, exact_ceil_log2, round_half_even
 from engine.kernels.scales import pow2
 from engine.kernels.split_k import arrives_last, tile_counters

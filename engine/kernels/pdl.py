@@ -22,15 +22,6 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 @triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """Each pointer's next `nbytes` bytes (a multiple of 16; 0 or less skips) into L2, holding no registers."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def after_previous_grid(PDL: tl.constexpr):
     """Waits until the kernel before this one has finished (its writes visible), then lets the next one launch."""
     if PDL:
