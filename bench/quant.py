@@ -250,9 +250,6 @@ FP8_SWEEP = [
     dict(num_stages=6),
     dict(unroll=2, num_stages=2),
     dict(unroll=2, num_stages=3),
-    dict(pdl=True, prefetch=0),
-    dict(pdl=True),
-    dict(pdl=True, prefetch=32),
 ]
 
 

@@ -14,9 +14,13 @@ block goes unpromoted). The result is rounded once to the output dtype.
   kernels floor amax at 1e-4 instead; only blocks whose every |x| < 1e-4 round differently, to within their scale.
 - Decode (M <= DECODE_MAX_M): one kernel reads the weight once, spread over N tiles and splits of K (split-K where the
   N tiles alone would not fill the GPU, its fp32 partials summed in a fixed order by the tile's last program:
-  engine/kernels/split_k.py). Up to QUANTIZE_FIRST_M tokens it quantizes their activations in registers as it goes;
-  past that every program would redo the quantization of all tokens for each of its K blocks (at M = 64 it, not the
-  weight, set the time: bench/results/quant.md), so the activations are quantized once by their own launch first.
+  engine/kernels/split_k.py). From 2 to QUANTIZE_FIRST_M tokens it quantizes their activations in registers as it
+  goes; past that every program would redo the quantization of all tokens for each of its K blocks (at M = 64 it, not
+  the weight, set the time: bench/results/quant.md), so the activations are quantized once by their own launch first.
+  So they are at one token: the kernel is bound by each K block's chain of waits, not by the weight's bytes (with the
+  weight already in L2, wo_b took 17.4 µs of its 19.2 on an H100), and the in-register quantization is the longest
+  link; quantized first, wo_b took 11.0 µs from L2 and 17.8 from memory, 14.2 with engine/kernels/prefetch.py's L2
+  prefetch ahead of it (docs/quantized-weights.md).
 - Prefill: the activations are quantized once by their own launch, then a tiled GEMM runs the FP8 tensor cores
   (tl.dot on e4m3 operands), promoting per K block as above.
 
@@ -33,8 +37,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels.dispatch import interpreting, multiprocessors, shared_memory_limit, use_triton
-from engine.kernels.pdl import after_previous_grid, pdl_supported
-from engine.kernels.prefetch import prefetch_l2
 from engine.kernels.quant import FP8_MAX, block_scales, e8m0_to_float, exact_ceil_log2, round_half_even
 from engine.kernels.scales import pow2
 from engine.kernels.split_k import arrives_last, tile_counters
@@ -43,9 +45,6 @@ BLOCK = 128  # the checkpoint's block: weight scales per 128x128, activation sca
 DECODE_MAX_M = 64  # rows up to this many take the weight-streaming decode kernel
 QUANTIZE_FIRST_M = 16  # past this many, the decode kernel reads activations quantized by their own launch
 DECODE_UNROLL = 1  # K blocks a decode-kernel iteration
-# Programmatic dependent launch of the decode kernel, and the K blocks of weight it sends to L2 before the kernel
-# ahead of it ends (pdl.py)
-DECODE_PDL, DECODE_PREFETCH_BLOCKS = False, 8
 FP8_TINY = torch.finfo(torch.float32).tiny * FP8_MAX  # the amax floor of quant.block_scales
 
 
@@ -175,14 +174,12 @@ def _decode_kernel(
     stride_xm, stride_xg, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_ps,
     R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr, QUANTIZED: tl.constexpr, SPLITS: tl.constexpr,
     UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, TINY: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Program (group g * TILES + tile, split): weight rows [tile * BLOCK_N, +BLOCK_N) of group g against all M
     tokens over K blocks [split * kb_per_split, +kb_per_split). Computed transposed (weight rows as the dot's M side)
     so the tile stays MMA-shaped for few tokens. The tokens' activations are quantized here, block by block, or with
     QUANTIZED x holds e4m3 codes and sa their scales (_quantize_kernel's). out [M, G * R]; with K split, each program
-    stores its fp32 partial in part [SPLITS, M, G * R] and the tile's last program adds them (split_k). PDL: launched
-    to overlap the kernel before it, whose end it awaits after sending its first PREFETCH weight blocks to L2."""
+    stores its fp32 partial in part [SPLITS, M, G * R] and the tile's last program adds them (split_k)."""
     g = tl.program_id(0) // TILES
     n = (tl.program_id(0) % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = g * R + n
@@ -195,10 +192,6 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     kb_start = tl.program_id(1) * kb_per_split
     kb_end = tl.minimum(kb_start + kb_per_split, tl.cdiv(K, 128))
-    if PDL:
-        ahead = (tl.minimum(K - kb_start * 128, tl.minimum(kb_per_split, PREFETCH) * 128) // 16) * 16
-        prefetch_l2(w_ptr + rows.to(tl.int64) * stride_wn + kb_start * 128, tl.where(live_n, ahead, 0))
-    after_previous_grid(PDL)
     # UNROLL K blocks an iteration: each iteration waits at a few barriers (the codes' shared-memory tile, the MMA),
     # so fewer iterations a byte leave the weight stream fewer gaps
     for kb0 in range(kb_start, kb_end, UNROLL):
@@ -331,9 +324,10 @@ def _quantize(x, groups: int):
 
 
 def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, num_warps=None, num_stages=None,
-            quantize_first=None, unroll=None, pdl=None, prefetch=None):  # fmt: skip
+            quantize_first=None, unroll=None):  # fmt: skip
     """x [M, G, K] (any strides with unit K stride) -> out [M, G, rows] (contiguous). quantize_first (decode): the
-    activations quantized by their own launch rather than in each program (default past QUANTIZE_FIRST_M tokens)."""
+    activations quantized by their own launch rather than in each program (default at one token and past
+    QUANTIZE_FIRST_M)."""
     m, _, k = x.shape
     device = x.device
     k_blocks = triton.cdiv(k, BLOCK)
@@ -350,9 +344,7 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
         splits = triton.cdiv(k_blocks, kb_per_split)
         part = out if splits == 1 else torch.empty(splits, m, groups * rows, dtype=torch.float32, device=device)
         counters = out if splits == 1 else tile_counters(device, groups * tiles)  # out stands in when unread
-        quantized = m > QUANTIZE_FIRST_M if quantize_first is None else quantize_first
-        pdl = DECODE_PDL and pdl_supported(device) if pdl is None else pdl
-        prefetch = DECODE_PREFETCH_BLOCKS if prefetch is None else prefetch
+        quantized = (m == 1 or m > QUANTIZE_FIRST_M) if quantize_first is None else quantize_first
         if quantized:
             codes, act_scale = _quantize(x, groups)
             a, a_strides = codes, (groups * k, k, groups * k_blocks, k_blocks)
@@ -363,8 +355,8 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
             *a_strides, w.stride(0), s.stride(0), groups * rows, part.stride(0) if splits > 1 else 0,
             R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, SPLITS=splits, UNROLL=unroll or DECODE_UNROLL,
             BLOCK_M=block_m, BLOCK_N=block_n,
-            F32_DOT=f32_dot, TINY=FP8_TINY, PDL=pdl, PREFETCH=prefetch if w.stride(0) % 16 == 0 else 0,
-            num_warps=num_warps or 4, num_stages=num_stages or decode_stages(device, m), launch_pdl=pdl,
+            F32_DOT=f32_dot, TINY=FP8_TINY, num_warps=num_warps or 4,
+            num_stages=num_stages or decode_stages(device, m),
         )  # fmt: skip
         return out
     codes, act_scale = _quantize(x, groups)
@@ -380,9 +372,9 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
 
 
 def fp8_block_linear_triton(x, weight, scale, out_dtype=None, **launch):
-    """fp8_block_linear_reference in one or two launches (decode: the activations' quantization past
-    QUANTIZE_FIRST_M tokens, then the GEMM; prefill: the quantization, then the GEMM).
-    `launch`: block_n=, splits=, num_warps=, num_stages=, quantize_first=, unroll=, pdl=, prefetch=."""
+    """fp8_block_linear_reference in one or two launches (decode: the activations' quantization at one token and past
+    QUANTIZE_FIRST_M, then the GEMM; prefill: the quantization, then the GEMM).
+    `launch`: block_n=, splits=, num_warps=, num_stages=, quantize_first=, unroll=."""
     m, k = x.shape
     _check(weight, scale, k)
     n = weight.shape[0]

@@ -11,7 +11,7 @@ from torch import nn
 from engine.cache.kv_cache import ModelKVCache
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
-from engine.model.layers import RMSNorm
+from engine.model.layers import RMSNorm, WeightPrefetch
 from engine.model.linear import Layout, ReplicatedLinear
 from engine.model.mhc import HcMix, HyperConnection, HyperHead
 from engine.model.moe import MoE
@@ -33,6 +33,10 @@ class Block(nn.Module):
         self.hc_ffn = HyperConnection(*hc_args)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id, formats, layout)
+        # at decode, the projections' weights stream into L2 while the mHC and the norm run, and the shared
+        # expert's while attention's output mixes back and the router runs (the attention output's own: Attention)
+        self.prefetch_projections = WeightPrefetch(self.attn.x_proj, self.attn.qr_proj)
+        self.prefetch_shared_expert = WeightPrefetch(self.ffn.shared_experts)
 
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, next_fn: torch.Tensor, mix: HcMix | None = None
@@ -40,8 +44,12 @@ class Block(nn.Module):
         """streams [N, hc, D] (and their mixes with hc_attn.fn when the previous block made them) -> the new streams
         and their mixes with `next_fn`, the weights of the hc_pre or hc_head that reads them next. Each hc_post
         makes the next mixes in the same pass (hc_post_mix)."""
+        if batch.decoding:
+            self.prefetch_projections()
         x, post, comb = self.hc_attn.pre(streams, mix)
         out = self.attn(self.attn_norm(x), batch)
+        if batch.decoding:
+            self.prefetch_shared_expert()
         streams, mix = HyperConnection.post_mix(out, streams, post, comb, self.hc_ffn.fn)
         x, post, comb = self.hc_ffn.pre(streams, mix)
         return HyperConnection.post_mix(

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm and DeepSeek-V4's interleaved partial RoPE with YaRN (reference §5.1)."""
+"""Small building blocks: RMSNorm, DeepSeek-V4's interleaved partial RoPE with YaRN (reference §5.1), and the
+prefetch of a decode step's next weights into L2."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.kernels.norm import rms_norm
+from engine.kernels.prefetch import l2_prefetch
 from engine.kernels.rope import rope
 from engine.model.args import YarnScaling
 
@@ -57,3 +59,20 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D] with positions [N]; returns a new tensor, rope channels rotated (or un-rotated)."""
         return rope(x, positions, self.inv_freq, inverse)
+
+
+class WeightPrefetch:
+    """Asks for some modules' weights in L2 ahead of the GEMMs that read them (engine/kernels/prefetch.py), where a
+    decode step reaches those GEMMs through latency-bound kernels. Its launch is made on the first call (boot's warm-up
+    runs the step eagerly before any graph is captured) and again if the weights moved. Not a module: it holds no
+    weights of its own."""
+
+    def __init__(self, *modules: nn.Module):
+        self.modules, self.addresses, self.launch = modules, None, None
+
+    def __call__(self) -> None:
+        params = [p for m in self.modules for p in m.parameters()]
+        addresses = tuple(p.data_ptr() for p in params)
+        if addresses != self.addresses:
+            self.launch, self.addresses = l2_prefetch(params), addresses
+        self.launch()

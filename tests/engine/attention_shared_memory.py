@@ -73,8 +73,8 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
 
     device = types.SimpleNamespace(type="cuda")
     out = {}
-    for m, block_n in ((1, 64), (64, 128)):
-        quantized = m > fp8.QUANTIZE_FIRST_M
+    for m, block_n in ((1, 64), (16, 64), (64, 128)):  # activations quantized first, in registers, first
+        quantized = m == 1 or m > fp8.QUANTIZE_FIRST_M
         out[f"fp8 decode M={m}"] = compile_shared(fp8._decode_kernel, dict(
             x_ptr="*fp8e4nv" if quantized else "*bf16", sa_ptr="*fp32" if quantized else "*bf16", w_ptr="*fp8e4nv",
             s_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32", M="i32", K="i32",
@@ -82,7 +82,7 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
             stride_s="i32", stride_om="i32", stride_ps="i32",
         ), dict(R=4096, TILES=4096 // block_n, E8M0=True, QUANTIZED=quantized, SPLITS=4, UNROLL=fp8.DECODE_UNROLL,
                 BLOCK_M=max(16, m),
-                BLOCK_N=block_n, F32_DOT=False, TINY=fp8.FP8_TINY, PDL=arch >= 90, PREFETCH=8), 4,
+                BLOCK_N=block_n, F32_DOT=False, TINY=fp8.FP8_TINY), 4,
             on_target(arch, fp8.decode_stages, device, m))  # fmt: skip
     out["fp8 quantize"] = compile_shared(fp8._quantize_kernel, dict(
         x_ptr="*bf16", codes_ptr="*fp8e4nv", scale_ptr="*fp32", rows="i32", K="i32", stride_x="i32",
