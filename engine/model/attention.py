@@ -182,7 +182,7 @@ class Attention(nn.Module):
         qr = self.q_norm(q_a)
         q_b, *index_q = self.qr_proj(qr)
         if batch.decoding:  # wo_a's weights stream into L2 beside the compressors, the indexer and attention
-            self.prefetch_wo_a()
+            self.prefetch_wo_a.start()
         # per-head RMS norm (weightless), then RoPE on the last rope_dim channels
         q = rms_rope(q_b.view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
         proj = {}
@@ -210,6 +210,7 @@ class Attention(nn.Module):
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
+        self.prefetch_wo_a.join()
         return self.wo_b(self.wo_a(o).flatten(1))
 
     def _prefill(self, q, kv, proj, positions, seq, batch: ForwardBatch, i: int) -> torch.Tensor:

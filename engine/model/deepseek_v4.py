@@ -45,16 +45,18 @@ class Block(nn.Module):
         and their mixes with `next_fn`, the weights of the hc_pre or hc_head that reads them next. Each hc_post
         makes the next mixes in the same pass (hc_post_mix)."""
         if batch.decoding:
-            self.prefetch_projections()
+            self.prefetch_projections.start()
         x, post, comb = self.hc_attn.pre(streams, mix)
-        out = self.attn(self.attn_norm(x), batch)
+        x = self.attn_norm(x)
+        self.prefetch_projections.join()
+        out = self.attn(x, batch)
         if batch.decoding:
-            self.prefetch_shared_expert()
+            self.prefetch_shared_expert.start()
         streams, mix = HyperConnection.post_mix(out, streams, post, comb, self.hc_ffn.fn)
         x, post, comb = self.hc_ffn.pre(streams, mix)
-        return HyperConnection.post_mix(
-            self.ffn(self.ffn_norm(x), batch.input_ids, batch.moe_rows), streams, post, comb, next_fn
-        )
+        x = self.ffn_norm(x)
+        self.prefetch_shared_expert.join()
+        return HyperConnection.post_mix(self.ffn(x, batch.input_ids, batch.moe_rows), streams, post, comb, next_fn)
 
 
 class MTPLayer(Block):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.kernels.norm import rms_norm
-from engine.kernels.prefetch import l2_prefetch
+from engine.kernels.prefetch import L2PrefetchTriton, l2_prefetch
 from engine.kernels.rope import rope
 from engine.model.args import YarnScaling
 
@@ -63,16 +63,31 @@ class Rotary(nn.Module):
 
 class WeightPrefetch:
     """Asks for some modules' weights in L2 ahead of the GEMMs that read them (engine/kernels/prefetch.py), where a
-    decode step reaches those GEMMs through latency-bound kernels. Its launch is made on the first call (boot's warm-up
-    runs the step eagerly before any graph is captured) and again if the weights moved. Not a module: it holds no
-    weights of its own."""
+    decode step reaches those GEMMs through latency-bound kernels. The launch goes on a side stream (a branch of the
+    CUDA graph): on the step's own stream it would hold the stream until its transfers were under way (6 µs for
+    33 MB on an H100). `start` before the stretch, `join` before the GEMM. The launch is made on the first call
+    (boot's warm-up runs the step eagerly before any graph is captured) and again if the weights moved. Not a module:
+    it holds no weights of its own."""
+
+    _side: dict[torch.device, torch.cuda.Stream] = {}
 
     def __init__(self, *modules: nn.Module):
-        self.modules, self.addresses, self.launch = modules, None, None
+        self.modules, self.addresses, self.launch, self.pending = modules, None, None, None
 
-    def __call__(self) -> None:
+    def start(self) -> None:
         params = [p for m in self.modules for p in m.parameters()]
         addresses = tuple(p.data_ptr() for p in params)
         if addresses != self.addresses:
             self.launch, self.addresses = l2_prefetch(params), addresses
-        self.launch()
+        if isinstance(self.launch, L2PrefetchTriton):
+            device = params[0].device
+            side = self._side.setdefault(device, torch.cuda.Stream(device))
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self.launch()
+            self.pending = side
+
+    def join(self) -> None:
+        if self.pending is not None:
+            torch.cuda.current_stream(self.pending.device).wait_stream(self.pending)
+            self.pending = None
