@@ -30,7 +30,7 @@ from engine.kernels.sparse_attention import (
 )
 from engine.kernels.topk import topk_slots, topk_slots_triton
 from engine.model.args import ModelArgs
-from engine.model.layers import RMSNorm, Rotary, WeightPrefetch
+from engine.model.layers import RMSNorm, Rotary
 from engine.model.linear import GroupedColumnLinear, Layout, ProjectionGroup, RowParallelLinear
 from engine.model.state import ForwardBatch
 from engine.model.weight_formats import Formats, Unquantized
@@ -169,7 +169,6 @@ class Attention(nn.Module):
                                         formats.linear(f"{p}.wo_a"), shard)  # fmt: skip
         self.wo_b = RowParallelLinear(args.o_groups * self.o_lora_rank, [(f"{p}.wo_b", dim)],
                                       formats.linear(f"{p}.wo_b"), shard)  # fmt: skip
-        self.prefetch_wo_a = WeightPrefetch(self.wo_a)
 
     @property
     def sink(self) -> torch.Tensor:
@@ -181,8 +180,6 @@ class Attention(nn.Module):
         q_a, kv_x, *index_w = self.x_proj(x)
         qr = self.q_norm(q_a)
         q_b, *index_q = self.qr_proj(qr)
-        if batch.decoding:  # wo_a's weights stream into L2 beside the compressors, the indexer and attention
-            self.prefetch_wo_a.start()
         # per-head RMS norm (weightless), then RoPE on the last rope_dim channels
         q = rms_rope(q_b.view(-1, self.n_heads, self.head_dim), pos, self.rotary.inv_freq, self.eps)
         proj = {}
@@ -210,7 +207,6 @@ class Attention(nn.Module):
         # values carried RoPE: cast to the model dtype and rotate back to the query position
         o = rope(out, pos, self.rotary.inv_freq, inverse=True, dtype=x.dtype)
         o = o.view(-1, self.n_groups, self.n_heads * self.head_dim // self.n_groups)
-        self.prefetch_wo_a.join()
         return self.wo_b(self.wo_a(o).flatten(1))
 
     def _prefill(self, q, kv, proj, positions, seq, batch: ForwardBatch, i: int) -> torch.Tensor:

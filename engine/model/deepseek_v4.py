@@ -11,7 +11,7 @@ from torch import nn
 from engine.cache.kv_cache import ModelKVCache
 from engine.model.args import ModelArgs
 from engine.model.attention import Attention
-from engine.model.layers import RMSNorm, WeightPrefetch
+from engine.model.layers import RMSNorm
 from engine.model.linear import Layout, ReplicatedLinear
 from engine.model.mhc import HcMix, HyperConnection, HyperHead
 from engine.model.moe import MoE
@@ -33,10 +33,6 @@ class Block(nn.Module):
         self.hc_ffn = HyperConnection(*hc_args)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn = MoE(args, layer_id, formats, layout)
-        # at decode, the projections' weights stream into L2 while the mHC and the norm run, and the shared
-        # expert's while attention's output mixes back and the router runs (the attention output's own: Attention)
-        self.prefetch_projections = WeightPrefetch(self.attn.x_proj, self.attn.qr_proj)
-        self.prefetch_shared_expert = WeightPrefetch(self.ffn.shared_experts)
 
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, next_fn: torch.Tensor, mix: HcMix | None = None
@@ -44,19 +40,13 @@ class Block(nn.Module):
         """streams [N, hc, D] (and their mixes with hc_attn.fn when the previous block made them) -> the new streams
         and their mixes with `next_fn`, the weights of the hc_pre or hc_head that reads them next. Each hc_post
         makes the next mixes in the same pass (hc_post_mix)."""
-        if batch.decoding:
-            self.prefetch_projections.start()
         x, post, comb = self.hc_attn.pre(streams, mix)
-        x = self.attn_norm(x)
-        self.prefetch_projections.join()
-        out = self.attn(x, batch)
-        if batch.decoding:
-            self.prefetch_shared_expert.start()
+        out = self.attn(self.attn_norm(x), batch)
         streams, mix = HyperConnection.post_mix(out, streams, post, comb, self.hc_ffn.fn)
         x, post, comb = self.hc_ffn.pre(streams, mix)
-        x = self.ffn_norm(x)
-        self.prefetch_shared_expert.join()
-        return HyperConnection.post_mix(self.ffn(x, batch.input_ids, batch.moe_rows), streams, post, comb, next_fn)
+        return HyperConnection.post_mix(
+            self.ffn(self.ffn_norm(x), batch.input_ids, batch.moe_rows), streams, post, comb, next_fn
+        )
 
 
 class MTPLayer(Block):

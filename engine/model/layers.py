@@ -1,5 +1,4 @@
-"""Small building blocks: RMSNorm, DeepSeek-V4's interleaved partial RoPE with YaRN (reference §5.1), and the
-prefetch of a decode step's next weights into L2."""
+"""Small building blocks: RMSNorm and DeepSeek-V4's interleaved partial RoPE with YaRN (reference §5.1)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import torch
 from torch import nn
 
 from engine.kernels.norm import rms_norm
-from engine.kernels.prefetch import L2PrefetchTriton, l2_prefetch
 from engine.kernels.rope import rope
 from engine.model.args import YarnScaling
 
@@ -60,34 +58,3 @@ class Rotary(nn.Module):
         """x: [N, ..., D] with positions [N]; returns a new tensor, rope channels rotated (or un-rotated)."""
         return rope(x, positions, self.inv_freq, inverse)
 
-
-class WeightPrefetch:
-    """Asks for some modules' weights in L2 ahead of the GEMMs that read them (engine/kernels/prefetch.py), where a
-    decode step reaches those GEMMs through latency-bound kernels. The launch goes on a side stream (a branch of the
-    CUDA graph): on the step's own stream it would hold the stream until its transfers were under way (6 µs for
-    33 MB on an H100). `start` before the stretch, `join` before the GEMM. The launch is made on the first call
-    (boot's warm-up runs the step eagerly before any graph is captured) and again if the weights moved. Not a module:
-    it holds no weights of its own."""
-
-    _side: dict[torch.device, torch.cuda.Stream] = {}
-
-    def __init__(self, *modules: nn.Module):
-        self.modules, self.addresses, self.launch, self.pending = modules, None, None, None
-
-    def start(self) -> None:
-        params = [p for m in self.modules for p in m.parameters()]
-        addresses = tuple(p.data_ptr() for p in params)
-        if addresses != self.addresses:
-            self.launch, self.addresses = l2_prefetch(params), addresses
-        if isinstance(self.launch, L2PrefetchTriton):
-            device = params[0].device
-            side = self._side.setdefault(device, torch.cuda.Stream(device))
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self.launch()
-            self.pending = side
-
-    def join(self) -> None:
-        if self.pending is not None:
-            torch.cuda.current_stream(self.pending.device).wait_stream(self.pending)
-            self.pending = None

@@ -17,7 +17,6 @@ from engine.kernels.fp8_gemm import (
     quantize_activations_reference,
     quantize_activations_triton,
 )
-from engine.kernels.prefetch import L2PrefetchTriton, l2_prefetch
 from engine.kernels.split_k import tile_counters
 from tests.gpu.graphs import capture
 
@@ -101,30 +100,6 @@ def test_fp8_linear_in_a_cuda_graph():
         graph.replay()
     assert all(torch.equal(out, want) for out, want in zip(outs, first, strict=True))
     assert not tile_counters(outs[0].device, 1).any()
-
-
-def test_weights_prefetched_into_l2_ahead_of_their_linear():
-    """The prefetch launch over a linear's codes and scales (and 7 bytes, too few to ask for, and a tensor not
-    contiguous, which it leaves out), captured before the GEMM: the same bits as the GEMM alone, eager and
-    replayed."""
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    weight, scale = _fp8_weight(*SHAPES["wo_b"], gen)
-    odd = torch.zeros(7, dtype=torch.uint8, device=DEV)
-    strided = torch.zeros(64, 64, device=DEV).T
-    prefetch = l2_prefetch([weight, scale, odd, strided])
-    assert isinstance(prefetch, L2PrefetchTriton) and prefetch.grid == (64, 3)
-    x = torch.randn(1, 8192, device=DEV, generator=gen).bfloat16()
-    want = fp8_block_linear_triton(x, weight, scale)
-
-    def step():
-        prefetch()
-        return [fp8_block_linear_triton(x, weight, scale)]
-
-    assert torch.equal(step()[0], want)
-    graph, (out,) = capture(step)
-    for _ in range(3):
-        graph.replay()
-        assert torch.equal(out, want)
 
 
 @pytest.fixture(scope="module")
