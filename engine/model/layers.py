@@ -57,4 +57,3 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """x: [N, ..., D] with positions [N]; returns a new tensor, rope channels rotated (or un-rotated)."""
         return rope(x, positions, self.inv_freq, inverse)
-
