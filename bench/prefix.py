@@ -192,7 +192,7 @@ def markdown(report: dict) -> str:
     s, on, off = report["summary"], report["cache_on"], report["cache_off"]
     weights = "FP8 dense, MXFP4 experts" if report["weights"] == "official" else "bf16"
     lines = [f"# Prefix cache — {report['gpu']}, {report['date']}, commit {report['commit']}", "",
-             "`python bench/prefix.py --out bench/results`" + (" (--smoke)" if report["smoke"] else ""), "",
+             f"`python bench/prefix.py --out bench/results{report['options']}`", "",
              f"{report['layers']} layers" + (" of the tiny checkpoint" if report["smoke"] else " at V4-Flash's width")
              + f", weights {weights}.", "",
              "| metric | value | target |", "|---|---|---|",
@@ -232,7 +232,10 @@ def main() -> int:
         on = measure(model, flags, sizes, logs / "prefix-engine-on.log")
         off = measure(model, [*flags, "--no-prefix-cache"], sizes, logs / "prefix-engine-off.log")
         layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    options = ((" --smoke" if args.smoke else "") + (f" --weights {args.weights}" if args.weights != "official" else "")
+               + (f" --layers {args.layers}" if args.layers else ""))  # fmt: skip
     report = {**provenance(), "gpu": on["gpu"], "smoke": args.smoke, "weights": args.weights, "layers": layers,
+              "options": options,
               "sizes": sizes, "summary": summary(on, off), "cache_on": on, "cache_off": off}  # fmt: skip
     print(json.dumps(report["summary"], indent=2))
     if args.out:
