@@ -248,8 +248,6 @@ FP8_SWEEP = [
     dict(block_n=128),
     dict(block_n=128, num_warps=8),
     dict(num_stages=6),
-    dict(unroll=2, num_stages=2),
-    dict(unroll=2, num_stages=3),
 ]
 
 

@@ -44,7 +44,6 @@ from engine.kernels.split_k import arrives_last, tile_counters
 BLOCK = 128  # the checkpoint's block: weight scales per 128x128, activation scales per 128 channels
 DECODE_MAX_M = 64  # rows up to this many take the weight-streaming decode kernel
 QUANTIZE_FIRST_M = 16  # past this many, the decode kernel reads activations quantized by their own launch
-DECODE_UNROLL = 1  # K blocks a decode-kernel iteration
 FP8_TINY = torch.finfo(torch.float32).tiny * FP8_MAX  # the amax floor of quant.block_scales
 
 
@@ -173,7 +172,7 @@ def _decode_kernel(
     x_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter_ptr, M, K, kb_per_split,
     stride_xm, stride_xg, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_ps,
     R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr, QUANTIZED: tl.constexpr, SPLITS: tl.constexpr,
-    UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, TINY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     """Program (group g * TILES + tile, split): weight rows [tile * BLOCK_N, +BLOCK_N) of group g against all M
     tokens over K blocks [split * kb_per_split, +kb_per_split). Computed transposed (weight rows as the dot's M side)
@@ -192,22 +191,17 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     kb_start = tl.program_id(1) * kb_per_split
     kb_end = tl.minimum(kb_start + kb_per_split, tl.cdiv(K, 128))
-    # UNROLL K blocks an iteration: each iteration waits at a few barriers (the codes' shared-memory tile, the MMA),
-    # so fewer iterations a byte leave the weight stream fewer gaps
-    for kb0 in range(kb_start, kb_end, UNROLL):
-        for u in tl.static_range(UNROLL):
-            kb = kb0 + u
-            k_ok = (kb * 128 + c < K)[None, :] & (kb < kb_end)
-            if QUANTIZED:
-                codes = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & k_ok, other=0.0)
-                act_scale = tl.load(sa_ptrs + kb, mask=live_m & (kb < kb_end), other=1.0)
-            else:
-                xt = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & k_ok, other=0.0).to(tl.float32)
-                codes, act_scale = _quantize_block(xt, TINY, F32_DOT)
-            w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & k_ok, other=0.0)
-            partial = _dot_fp8(w, tl.trans(codes), F32_DOT)
-            w_scale = _weight_scales(s_ptr, rows, kb, stride_s, live_n & (kb < kb_end), E8M0)
-            acc += partial * act_scale[None, :] * w_scale[:, None]
+    for kb in range(kb_start, kb_end):
+        k_ok = (kb * 128 + c < K)[None, :]
+        if QUANTIZED:
+            codes = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & k_ok, other=0.0)
+            act_scale = tl.load(sa_ptrs + kb, mask=live_m, other=1.0)
+        else:
+            xt = tl.load(x_ptrs + kb * 128, mask=live_m[:, None] & k_ok, other=0.0).to(tl.float32)
+            codes, act_scale = _quantize_block(xt, TINY, F32_DOT)
+        w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & k_ok, other=0.0)
+        partial = _dot_fp8(w, tl.trans(codes), F32_DOT)
+        acc += partial * act_scale[None, :] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[:, None]
     offs = m[None, :] * stride_om + rows[:, None]
     live = live_n[:, None] & live_m[None, :]
     if SPLITS > 1:
@@ -324,7 +318,7 @@ def _quantize(x, groups: int):
 
 
 def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, num_warps=None, num_stages=None,
-            quantize_first=None, unroll=None):  # fmt: skip
+            quantize_first=None):  # fmt: skip
     """x [M, G, K] (any strides with unit K stride) -> out [M, G, rows] (contiguous). quantize_first (decode): the
     activations quantized by their own launch rather than in each program (default at one token and past
     QUANTIZE_FIRST_M)."""
@@ -353,7 +347,7 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
         _decode_kernel[(groups * tiles, splits)](
             a, act_scale, w, s, out, part, counters, m, k, kb_per_split,
             *a_strides, w.stride(0), s.stride(0), groups * rows, part.stride(0) if splits > 1 else 0,
-            R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, SPLITS=splits, UNROLL=unroll or DECODE_UNROLL,
+            R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, SPLITS=splits,
             BLOCK_M=block_m, BLOCK_N=block_n,
             F32_DOT=f32_dot, TINY=FP8_TINY, num_warps=num_warps or 4,
             num_stages=num_stages or decode_stages(device, m),
@@ -374,7 +368,7 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
 def fp8_block_linear_triton(x, weight, scale, out_dtype=None, **launch):
     """fp8_block_linear_reference in one or two launches (decode: the activations' quantization at one token and past
     QUANTIZE_FIRST_M, then the GEMM; prefill: the quantization, then the GEMM).
-    `launch`: block_n=, splits=, num_warps=, num_stages=, quantize_first=, unroll=."""
+    `launch`: block_n=, splits=, num_warps=, num_stages=, quantize_first=."""
     m, k = x.shape
     _check(weight, scale, k)
     n = weight.shape[0]

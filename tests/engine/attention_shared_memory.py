@@ -80,7 +80,7 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
             s_ptr="*u8", out_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32", M="i32", K="i32",
             kb_per_split="i32", stride_xm="i32", stride_xg="i32", stride_sam="i32", stride_sag="i32", stride_wn="i32",
             stride_s="i32", stride_om="i32", stride_ps="i32",
-        ), dict(R=4096, TILES=4096 // block_n, E8M0=True, QUANTIZED=quantized, SPLITS=4, UNROLL=fp8.DECODE_UNROLL,
+        ), dict(R=4096, TILES=4096 // block_n, E8M0=True, QUANTIZED=quantized, SPLITS=4,
                 BLOCK_M=max(16, m),
                 BLOCK_N=block_n, F32_DOT=False, TINY=fp8.FP8_TINY), 4,
             on_target(arch, fp8.decode_stages, device, m))  # fmt: skip

@@ -71,16 +71,6 @@ def test_linear_matches_reference(m, splits, fp32_scale):
     torch.testing.assert_close(got, fp8_block_linear_reference(x.bfloat16(), weight, scale), rtol=8e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize(("m", "splits"), [(3, 1), (3, 2), (20, 3)], ids=["whole-k", "odd-blocks-a-split", "quantized"])
-def test_decode_two_k_blocks_an_iteration(m, splits):
-    """unroll=2 over K = 300 (3 blocks): a split's odd last block leaves the iteration's second block masked."""
-    gen = torch.Generator().manual_seed(30 + splits)
-    x = torch.randn(m, 300, generator=gen)
-    weight, scale = _weight(200, 300, gen)
-    ref = fp8_block_linear_reference(x, weight, scale, torch.float32)
-    _assert_fp32_close(fp8_block_linear_triton(x, weight, scale, torch.float32, splits=splits, unroll=2), ref)
-
-
 @pytest.mark.parametrize("m", [2, 70], ids=["decode", "prefill"])
 def test_zero_blocks_and_extreme_scales(m):
     """Weight blocks all zero (their scale quantize gives: the tiny floor), ue8m0 scales from 2**-127 (byte 0) to
