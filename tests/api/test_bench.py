@@ -45,6 +45,10 @@ def test_the_prefix_cache_benchmark_smoke_run(tmp_path):
     assert 0 < summary["session_hit_rate"] < 1 and 0 < summary["burst_cached_fraction"] < 1
     assert summary["turn_ttft_ratio"] > 0 and summary["decode_ratio_cache_on"] > 0
     assert "turn_ttft_ratio" in (tmp_path / "prefix.md").read_text()
+    # the engine's own TTFT per turn, from its log: arrival to first token, within the client's
+    for run in (report["cache_on"], report["cache_off"]):
+        assert all(0 < t["engine_ttft_s"] <= t["ttft_s"] for t in run["tool_session"] + run["thinking_session"])
+    assert summary["engine_turn_ttft_ratio"] > 0 and summary["front_end_ttft_s"] >= 0
     # V4-Flash's shipped formats by default, through their own kernels' references
     assert report["weights"] == "official" and '"routed_experts": "Mxfp4Experts"' in (
         tmp_path / "prefix-engine-on.log").read_text()  # fmt: skip
