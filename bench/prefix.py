@@ -158,7 +158,7 @@ def measure(model: str, flags: list[str], sizes: dict, log: Path) -> dict:
         chat = Chat(engine.url, info["served_model_name"])
         probe = chat([{"role": "user", "content": text(400, 0, 1.0)}], 1)["usage"]["prompt_tokens"]
         tokens_per_word = probe / 400  # the chat template's few tokens included: close enough for sizes
-        return {
+        run = {
             "prefix_cache": info["prefix_cache"],
             "tool_session": session(chat, sizes, tokens_per_word, tools=True, thinking=False),
             "thinking_session": session(chat, sizes, tokens_per_word, tools=False, thinking=True),
@@ -168,23 +168,24 @@ def measure(model: str, flags: list[str], sizes: dict, log: Path) -> dict:
         }
     finally:
         engine.stop()
+    engine_ttft = logged_ttft(log)
+    for turn in run["tool_session"] + run["thinking_session"]:
+        turn["engine_ttft_s"] = engine_ttft.get(turn["request_id"])
+    return run
 
 
-def with_engine_ttft(run: dict, log: Path) -> dict:
-    """Each session turn's TTFT as the engine logged it (arrival to its first token, `request_finished`): the rest of
-    the client's TTFT is the HTTP front end, the stream and the text the tool-call parser holds back."""
-    engine_ttft = {}
+def logged_ttft(log: Path) -> dict[str, float]:
+    """Each finished request's TTFT as the engine logged it (`request_finished`: arrival to its first token); the rest
+    of the client's TTFT is the HTTP front end, the stream and the text the tool-call parser holds back."""
+    ttft = {}
     for line in log.read_text().splitlines():
         try:
             event = json.loads(line)
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("event") == "request_finished":
-            engine_ttft[event["request_id"]] = event["ttft_s"]
-    for session_turns in (run["tool_session"], run["thinking_session"]):
-        for turn in session_turns:
-            turn["engine_ttft_s"] = engine_ttft.get(turn.pop("request_id"))
-    return run
+            ttft[event["request_id"]] = event["ttft_s"]
+    return ttft
 
 
 def hit_rate(turns: list[dict]) -> float:
@@ -254,9 +255,8 @@ def main() -> int:
             model, flags = str(model_dir), ENGINE_FLAGS
         logs = args.out or Path(tmp)  # beside the results, kept also when a run fails
         logs.mkdir(parents=True, exist_ok=True)
-        on_log, off_log = logs / "prefix-engine-on.log", logs / "prefix-engine-off.log"
-        on = with_engine_ttft(measure(model, flags, sizes, on_log), on_log)
-        off = with_engine_ttft(measure(model, [*flags, "--no-prefix-cache"], sizes, off_log), off_log)
+        on = measure(model, flags, sizes, logs / "prefix-engine-on.log")
+        off = measure(model, [*flags, "--no-prefix-cache"], sizes, logs / "prefix-engine-off.log")
         layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
     options = ((" --smoke" if args.smoke else "") + (f" --weights {args.weights}" if args.weights != "official" else "")
                + (f" --layers {args.layers}" if args.layers else ""))  # fmt: skip
