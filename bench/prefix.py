@@ -4,8 +4,11 @@ of bench/shapes.py (seeded random weights made on the GPU, in the formats V4-Fla
 and once without (`--no-prefix-cache`), each driven through /v1/chat/completions as a coding agent drives it:
 
 - an agent-shaped session of 8 turns with tools: a system prompt, the tools, a file the agent read (about 16K
-  tokens in all), then each turn re-sends the assistant's earlier answers and a tool result of about 1K new tokens
-  (to about 23K): TTFT per turn, and the share of prompt tokens the engine reports as cached over turns 2-8;
+  tokens in all), then each turn re-sends the assistant's earlier answer and a tool result, about 1K new tokens
+  together (to about 23K): TTFT per turn, and the share of prompt tokens the engine reports as cached over turns 2-8.
+  Random weights answer in ids that stream as `<id>` text, several tokens each when re-sent (a trained model's
+  answer re-encodes to about its own length), so the tool result is sized by what the answer leaves of the turn's
+  tokens, counted with the served tokenizer;
 - the same session in thinking mode without tools, where the chat template drops earlier turns' reasoning (see
   ../shared/reference/dsv4-chat-format.md), reported as it is;
 - the shared-prefix tool burst of ../shared/reference/qualification.md: 3 requests at once with the same system
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import provenance  # noqa: E402
 from bench.serve import Engine  # noqa: E402
 from bench.shapes import write_model_dir  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
 
 TURNS = 8
 FULL = {"first_tokens": 16384, "turn_tokens": 1024, "answer_tokens": 64, "decode_tokens": 512}
@@ -99,9 +103,10 @@ class Chat:
                 "wall_s": time.monotonic() - started, "request_id": request_id}  # fmt: skip
 
 
-def session(chat: Chat, sizes: dict, tokens_per_word: float, tools: bool, thinking: bool) -> list[dict]:
-    """8 turns; each re-sends the conversation so far and adds about turn_tokens new tokens (a tool result, or a
-    user message without tools)."""
+def session(chat: Chat, sizes: dict, tokenizer: Tokenizer, tokens_per_word: float, tools: bool,
+            thinking: bool) -> list[dict]:  # fmt: skip
+    """8 turns; each re-sends the conversation so far and adds about turn_tokens new tokens: the answer and a tool
+    result (or, without tools, a user message) of what the answer leaves."""
     system = "You are a coding agent working in a repository. " + text(512, 1, tokens_per_word)
     messages = [{"role": "system", "content": system},
                 {"role": "user", "content": "Here is engine/scheduler.py:\n" + text(sizes["first_tokens"] - 512, 2,
@@ -118,7 +123,11 @@ def session(chat: Chat, sizes: dict, tokens_per_word: float, tools: bool, thinki
                       "request_id": result["request_id"]})  # fmt: skip
         answer = result["message"]
         messages.append(answer)
-        new = text(sizes["turn_tokens"], 10 + turn, tokens_per_word)
+        answered = len(tokenizer.encode(answer["content"])) + sum(
+            len(tokenizer.encode(call["function"]["name"] + call["function"]["arguments"]))
+            for call in answer.get("tool_calls", [])
+        )
+        new = text(max(sizes["turn_tokens"] - answered, sizes["turn_tokens"] // 4), 10 + turn, tokens_per_word)
         if tools and answer.get("tool_calls"):
             messages += [{"role": "tool", "tool_call_id": call["id"], "content": new} for call in answer["tool_calls"]]
         else:
@@ -156,12 +165,12 @@ def measure(model: str, flags: list[str], sizes: dict, log: Path) -> dict:
     try:
         info = httpx.get(f"{engine.url}/server_info").json()
         chat = Chat(engine.url, info["served_model_name"])
-        probe = chat([{"role": "user", "content": text(400, 0, 1.0)}], 1)["usage"]["prompt_tokens"]
-        tokens_per_word = probe / 400  # the chat template's few tokens included: close enough for sizes
+        tokenizer = Tokenizer.from_model_dir(model)
+        tokens_per_word = len(tokenizer.encode(text(400, 0, 1.0))) / 400
         run = {
             "prefix_cache": info["prefix_cache"],
-            "tool_session": session(chat, sizes, tokens_per_word, tools=True, thinking=False),
-            "thinking_session": session(chat, sizes, tokens_per_word, tools=False, thinking=True),
+            "tool_session": session(chat, sizes, tokenizer, tokens_per_word, tools=True, thinking=False),
+            "thinking_session": session(chat, sizes, tokenizer, tokens_per_word, tools=False, thinking=True),
             "burst": burst(chat, sizes, tokens_per_word),
             "decode_tok_s": decode_tok_s(chat, sizes),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -64,7 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the youngest
         self.num_preemptions = 0
-        self._to_register: list[tuple[list[int], list[int], int]] = []  # prompt snapshots taken by this step
+        self._to_register: list[tuple[bytes, int, list[int], int]] = []  # prompt snapshots taken by this step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -130,15 +130,16 @@ class Scheduler:
             pending += seq.page_table.pages_needed(seq.num_tokens, page)
             work.append(self._work(seq, n, restore))
             budget -= n
-        for tokens, pages, snapshot in self._to_register:
-            self.blocks.register(tokens, pages, snapshot)
+        for key, tokens, pages, snapshot in self._to_register:
+            self.blocks.register(key, tokens, pages, snapshot)
         self._to_register = []
         return work
 
     def _keys(self, seq: Sequence) -> list[bytes]:
         """The prefix-cache keys of the request's tokens at each page boundary that leaves one to compute."""
         if seq.num_tokens > len(seq.prompt_ids) and self.blocks.caching:
-            return prefix_keys(seq.token_ids(0, seq.num_tokens), self.blocks.page_size, seq.num_tokens - 1)
+            return prefix_keys(seq.token_ids(0, seq.num_tokens), self.blocks.page_size, seq.num_tokens - 1,
+                               self.prompt_keys(seq))  # fmt: skip
         return self.prompt_keys(seq)
 
     def prompt_keys(self, seq: Sequence) -> list[bytes]:
@@ -188,7 +189,8 @@ class Scheduler:
             work.snapshot = snapshot
         else:
             work.splits.append((at, snapshot))
-        self._to_register.append((work.seq.prompt_ids[:at], work.seq.page_table.pages, snapshot))
+        key = self.prompt_keys(work.seq)[at // self.blocks.page_size - 1]
+        self._to_register.append((key, at, work.seq.page_table.pages, snapshot))
 
     def _work(self, seq: Sequence, n: int, restore: int | None = None) -> ScheduledWork:
         """The step's work for `seq`, with the snapshots it takes at the cacheable page boundaries it reaches."""
@@ -241,7 +243,8 @@ class Scheduler:
         if seq.output_snapshot is not None:  # its tokens up to the snapshot are all on the host now
             end = seq.output_snapshot_tokens
             if end and end <= len(seq.prompt_ids) + len(seq.output_ids):
-                self.blocks.register(seq.token_ids(0, end), seq.page_table.pages, seq.output_snapshot)
+                key = prefix_keys(seq.token_ids(0, end), self.blocks.page_size, end, self.prompt_keys(seq))[-1]
+                self.blocks.register(key, end, seq.page_table.pages, seq.output_snapshot)
             else:
                 self.blocks.release_snapshot(seq.output_snapshot)
             seq.output_snapshot, seq.output_snapshot_tokens = None, 0

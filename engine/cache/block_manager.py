@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -41,10 +42,12 @@ class CachedPrefix:
     snapshot: int
 
 
-def prefix_keys(tokens: list[int], page_size: int, upto: int) -> list[bytes]:
-    """The key of every page boundary b <= upto of `tokens`: a digest of tokens[:b], chained page by page."""
-    keys, key = [], b""
-    for start in range(0, upto - page_size + 1, page_size):
+def prefix_keys(tokens: list[int], page_size: int, upto: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """The key of every page boundary b <= upto of `tokens`: a digest of tokens[:b], chained page by page. `known`:
+    the keys of its first pages, made already (its prompt's), where the chain goes on from."""
+    keys = list(known[: upto // page_size])
+    key = keys[-1] if keys else b""
+    for start in range(len(keys) * page_size, upto - page_size + 1, page_size):
         key = hashlib.blake2b(key + array("q", tokens[start : start + page_size]).tobytes(), digest_size=16).digest()
         keys.append(key)
     return keys
@@ -147,18 +150,18 @@ class BlockManager:
     def release_snapshot(self, slot: int) -> None:
         self._free_snapshots.append(slot)
 
-    def register(self, tokens: list[int], pages: list[int], snapshot: int) -> None:
-        """The request whose first len(tokens) tokens (a page multiple) are in `pages`, its slot state at that
-        boundary in `snapshot`: a cached prefix from the next step on (a prefix cached already keeps its own)."""
-        key = prefix_keys(tokens, self.page_size, len(tokens))[-1]
+    def register(self, key: bytes, tokens: int, pages: list[int], snapshot: int) -> None:
+        """The request whose first `tokens` tokens (a page multiple, `key` their prefix key) are in `pages`, its slot
+        state at that boundary in `snapshot`: a cached prefix from the next step on (a prefix cached already keeps its
+        own)."""
         if key in self.prefixes:
             self.release_snapshot(snapshot)
             self.prefixes.move_to_end(key)
             return
-        held = tuple(pages[: len(tokens) // self.page_size])
+        held = tuple(pages[: tokens // self.page_size])
         for page in held:
             self._hold(page, 1, 1)
-        self.prefixes[key] = CachedPrefix(key, len(tokens), held, snapshot)
+        self.prefixes[key] = CachedPrefix(key, tokens, held, snapshot)
 
     def _evict_oldest(self) -> None:
         _, prefix = self.prefixes.popitem(last=False)
