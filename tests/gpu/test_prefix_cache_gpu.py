@@ -26,7 +26,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def flash_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("models") / "flash")
+    """V4-Flash's shipped formats (FP8 dense, MXFP4 experts): two engines of its width fit one H100."""
+    return write_model_dir(tmp_path_factory.mktemp("models") / "flash", official_formats=True)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
