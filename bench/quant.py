@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import copy_bandwidth, median_us  # noqa: E402
 from bench.plots import bar_chart  # noqa: E402
 from bench.provenance import provenance  # noqa: E402
-from engine.kernels.fp4_moe import MX_BLOCK, PackedFp4, moe_expert_pairs_fp4_triton  # noqa: E402
+from engine.kernels.fp4_moe import LARGE_TILES, MX_BLOCK, PackedFp4, moe_expert_pairs_fp4_triton  # noqa: E402
 from engine.kernels.fp8_gemm import fp8_block_grouped_linear_triton, fp8_block_linear_triton  # noqa: E402
 from engine.kernels.quant import NVFP4_BLOCK  # noqa: E402
 
@@ -239,6 +239,34 @@ def fp4_experts(gen, bandwidth: float) -> tuple[dict, list[str]]:
     return results, lines
 
 
+PREFILL_TOKENS = (1536, 2048, 4096, 8192)  # a cached agent turn's new tokens .. a whole prefill chunk
+SMALL_TILES = dict(block_m=64, block_i=64, block_d=64, num_warps=4)
+
+
+def fp4_prefill(gen) -> tuple[dict, list[str]]:
+    """The MXFP4 experts at prefill chunks: TFLOP/s of the tiles expert_tiles picks, beside 64-pair and 128-pair
+    tiles forced."""
+    experts = make_experts(gen)
+    results = {}
+    lines = ["", "## MXFP4 routed experts at prefill chunks, CUDA graph (TFLOP/s; 64-pair and 128-pair tiles forced "
+             "beside expert_tiles' pick)", ""]  # fmt: skip
+    for tokens in PREFILL_TOKENS:
+        routings = make_routings(tokens, gen)
+        flop = tokens * TOP_K * 3 * INTER * D * 2
+        runs = {
+            name: in_turns(fp4_graphs(experts, routings, **config), reps=10)
+            for name, config in (("picked", {}), ("64-pair tiles", SMALL_TILES), ("128-pair tiles", LARGE_TILES))
+        }
+        results[f"t{tokens}"] = {name: {"us": us, "tflops": flop / us / 1e6} for name, us in runs.items()}
+        lines.append(
+            f"- {tokens} tokens ({tokens * TOP_K / E:.0f} pairs an expert): "
+            + ", ".join(f"{name} {flop / us / 1e6:.0f} TFLOP/s ({us:.0f} µs)" for name, us in runs.items())
+        )
+        del routings
+        torch.cuda.empty_cache()
+    return results, lines
+
+
 # The decode kernel's launch: tile height, K splits, warps, pipelining depth, K blocks an iteration ({}: the rules)
 FP8_SWEEP = [
     {},
@@ -304,6 +332,9 @@ def main() -> None:
     fp4, more = fp4_experts(gen, bandwidth)
     print("\n".join(more), flush=True)
     lines += more
+    fp4_chunks, more = fp4_prefill(gen)
+    print("\n".join(more), flush=True)
+    lines += more
     variants = {}
     if not args.no_sweep:
         variants, more = fp8_variants(gen, bandwidth)
@@ -328,6 +359,7 @@ def main() -> None:
         **provenance(),
         "fp8_gemm": {"decode": decode, "prefill": prefill, "decode_variants": variants},
         "fp4_moe": fp4,
+        "fp4_moe_prefill": fp4_chunks,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -345,7 +377,10 @@ def main() -> None:
             "bandwidth (target 75% at 16 and 64)",
             f"- NVFP4 experts: batch 1 {summary['nvfp4_moe_bw_fraction_b1']:.0%}, 16 "
             f"{summary['nvfp4_moe_bw_fraction_b16']:.0%}, 64 {summary['nvfp4_moe_bw_fraction_b64']:.0%} of copy "
-            "bandwidth", ""]  # fmt: skip
+            "bandwidth",
+            "- MXFP4 experts at prefill chunks: " + ", ".join(
+                f"{tokens} tokens {fp4_chunks[f't{tokens}']['picked']['tflops']:.0f}" for tokens in PREFILL_TOKENS)
+            + " TFLOP/s", ""]  # fmt: skip
     (args.out / "quant.md").write_text("\n".join(head + lines) + "\n")
     (args.out / "quant.svg").write_text(chart(summary, decode))
     print("\n".join(head))

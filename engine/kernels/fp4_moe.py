@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, multiprocessors, use_triton
+from engine.kernels.dispatch import interpreting, multiprocessors, shared_memory_limit, use_triton
 from engine.kernels.moe import _dot, moe_expert_pairs_reference, sort_pairs
 from engine.kernels.quant import NVFP4_BLOCK, dequantize_fp4_weight, dequantize_nvfp4_weight
 from engine.kernels.scales import pow2
@@ -55,6 +55,11 @@ from engine.kernels.split_k import arrives_last, tile_counters
 
 MX_BLOCK = 32  # values per ue8m0 scale
 PROGRAMS_PER_SM = 3  # the expert kernels' programs a multiprocessor holds at once (their registers allow three)
+# A program upcasts its weight tile once per BLOCK_M pairs. Where an expert gets more pairs than one 64-pair tile on
+# average (prefill chunks of more than ~2700 tokens at 6 of 256 experts), 128 x 128 tiles in 8 warps upcast each code
+# once per 128 pairs: 1.5-1.6x faster at 4096 and 8192 tokens on the H100, slower up to 48 pairs an expert
+# (bench/quant.py's prefill chunks). Their 3 stages take up to 160 KB of shared memory: Hopper's 227 KB only.
+LARGE_TILES = {"block_m": 128, "block_i": 128, "block_d": 128, "num_warps": 8}
 
 
 @dataclass(frozen=True)
@@ -353,22 +358,36 @@ def expert_splits(programs: int, k_steps: int, device: torch.device) -> int:
     return splits
 
 
+def expert_tiles(tokens: int, pairs: int, n_experts: int, device: torch.device) -> dict[str, int]:
+    """The expert kernels' tiles and warps for `pairs` (token, expert) pairs of `tokens` tokens over `n_experts`:
+    LARGE_TILES beyond 64 pairs an expert on average where a block may use 200 KB of shared memory, else 64-row
+    weight tiles in 4 warps against pair tiles of half the tokens' power of two, from 16 to 64. Shapes alone decide,
+    so a captured graph keeps its launches."""
+    if pairs > 64 * n_experts and device.type == "cuda" and shared_memory_limit(device) >= 200 * 1024:
+        return LARGE_TILES
+    return {"block_m": min(64, max(16, triton.next_power_of_2(tokens) // 2)), "block_i": 64, "block_d": 64,
+            "num_warps": 4}  # fmt: skip
+
+
 def moe_expert_pairs_fp4_triton(
     x, weights, ids, w1: PackedFp4, w3: PackedFp4, w2: PackedFp4, limit, touched=None, remote=False,
-    block_m: int | None = None, block_i: int = 64, block_d: int = 64, block_k: int = 128, num_warps: int = 4,
-    num_stages: int = 3, bf16x2: bool = True, splits_up: int | None = None, splits_down: int | None = None,
+    block_m: int | None = None, block_i: int | None = None, block_d: int | None = None, block_k: int = 128,
+    num_warps: int | None = None, num_stages: int = 3, bf16x2: bool = True, splits_up: int | None = None,
+    splits_down: int | None = None,
 ):  # fmt: skip
     """Three launches, as moe.moe_expert_pairs_triton: the counting sort (which counts the experts touched), then
-    gate/up and down over the active experts, each splitting K by expert_splits unless given. block_k counts values
-    (two a byte), a multiple of 32. bf16x2=False takes the e4m3 route for MXFP4 into bf16 too (bench/quant.py compares
-    the two)."""
+    gate/up and down over the active experts, each splitting K by expert_splits unless given. Tiles and warps not
+    given are expert_tiles'. block_k counts values (two a byte), a multiple of 32. bf16x2=False takes the e4m3 route
+    for MXFP4 into bf16 too (bench/quant.py compares the two)."""
     n, dim = x.shape
     n_experts, inter, _ = w1.codes.shape
     top_k, group, nv = ids.shape[1], w1.block, w1.global_scale is not None
     pairs = n * top_k
     if pairs == 0:
         return torch.zeros(pairs, dim, dtype=x.dtype, device=x.device)
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
+    tiles = expert_tiles(n, pairs, n_experts, x.device)
+    block_m, block_i, block_d = block_m or tiles["block_m"], block_i or tiles["block_i"], block_d or tiles["block_d"]
+    num_warps = num_warps or tiles["num_warps"]
     block_i, block_d = min(block_i, inter), min(block_d, dim)
     block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)
     c1, c3, c2 = _words(w1.codes), _words(w3.codes), _words(w2.codes)

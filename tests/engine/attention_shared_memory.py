@@ -58,7 +58,7 @@ def picks() -> dict:
 # wrappers make them on each target (the prefill GEMM's pipelining depth from the target's shared memory).
 def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
     from engine.kernels import fp8_gemm as fp8
-    from engine.kernels.fp4_moe import _fp4_down_kernel, _fp4_gate_up_kernel
+    from engine.kernels.fp4_moe import _fp4_down_kernel, _fp4_gate_up_kernel, expert_tiles
 
     def compile_shared(fn, signature, constexprs, num_warps, num_stages):
         names = list(signature) + list(constexprs)
@@ -93,20 +93,24 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
         stride_om="i32", stride_og="i32",
     ), dict(R=4096, E8M0=True, GROUP_M=8, BLOCK_M=128, BLOCK_N=128, F32_DOT=False), 8,
         on_target(arch, fp8.prefill_stages, device))  # fmt: skip
-    for (layout, group, nv), block_m in itertools.product((("mxfp4", 32, False), ("nvfp4", 16, True)), (16, 32)):
-        out[f"{layout} gate_up BLOCK_M={block_m}"] = compile_shared(_fp4_gate_up_kernel, dict(
+    tiles = [on_target(arch, expert_tiles, tokens, tokens * 6, 256, device) for tokens in (16, 64, 8192)]
+    tiles = [t for i, t in enumerate(tiles) if t not in tiles[:i]]  # decode's, and prefill's where they differ
+    for (layout, group, nv), t in itertools.product((("mxfp4", 32, False), ("nvfp4", 16, True)), tiles):
+        block_m, name = t["block_m"], f"BLOCK_M={t['block_m']} BLOCK_I={t['block_i']}"
+        out[f"{layout} gate_up {name}"] = compile_shared(_fp4_gate_up_kernel, dict(
             x_ptr="*bf16", w1_ptr="*i16", s1_ptr="*u8", g1_ptr="*fp32", w3_ptr="*i16", s3_ptr="*u8", g3_ptr="*fp32",
             pair_ptr="*i64", weights_ptr="*fp32", active_ptr="*i64", offsets_ptr="*i64", h_ptr="*bf16",
             part_ptr="*fp32", counter_ptr="*i32", stride_xn="i32", stride_we="i32", stride_wi="i32", stride_se="i32",
             stride_si="i32", stride_hm="i32", stride_ps="i32", limit="fp32",
         ), dict(E=256, TOP_K=6, D=4096, INTER=2048, CLAMP=True, G=group, NV=nv, SPLITS=2, BLOCK_M=block_m,
-                BLOCK_I=64, BLOCK_K=128, H_BLOCK_K=128, F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
-        out[f"{layout} down BLOCK_M={block_m}"] = compile_shared(_fp4_down_kernel, dict(
+                BLOCK_I=t["block_i"], BLOCK_K=128, H_BLOCK_K=128, F32_DOT=False, BF16X2=not nv),
+            t["num_warps"], 3)  # fmt: skip
+        out[f"{layout} down {name}"] = compile_shared(_fp4_down_kernel, dict(
             h_ptr="*bf16", w2_ptr="*i16", s2_ptr="*u8", g2_ptr="*fp32", pair_ptr="*i64", active_ptr="*i64",
             offsets_ptr="*i64", y_ptr="*bf16", part_ptr="*fp32", counter_ptr="*i32", stride_hm="i32",
             stride_we="i32", stride_wd="i32", stride_se="i32", stride_sd="i32", stride_ym="i32", stride_ps="i32",
-        ), dict(E=256, D=4096, INTER=2048, G=group, NV=nv, SPLITS=2, BLOCK_M=block_m, BLOCK_D=64, BLOCK_K=128,
-                F32_DOT=False, BF16X2=not nv), 4, 3)  # fmt: skip
+        ), dict(E=256, D=4096, INTER=2048, G=group, NV=nv, SPLITS=2, BLOCK_M=block_m, BLOCK_D=t["block_d"],
+                BLOCK_K=128, F32_DOT=False, BF16X2=not nv), t["num_warps"], 3)  # fmt: skip
     return out
 
 
@@ -114,7 +118,8 @@ def on_target(arch: int, pick, *args) -> int:
     """A launch rule's pick (pick(*args)) on a GPU of the target's shared memory a block."""
     from unittest import mock
 
-    with mock.patch("engine.kernels.fp8_gemm.shared_memory_limit", return_value=TARGETS[arch]):
+    with (mock.patch("engine.kernels.fp8_gemm.shared_memory_limit", return_value=TARGETS[arch]),
+          mock.patch("engine.kernels.fp4_moe.shared_memory_limit", return_value=TARGETS[arch])):  # fmt: skip
         return pick(*args)
 
 

@@ -6,10 +6,19 @@ V4-Flash sizes."""
 
 from __future__ import annotations
 
+import types
+from unittest import mock
+
 import pytest
 import torch
 
-from engine.kernels.fp4_moe import PackedFp4, moe_expert_pairs_fp4_reference, moe_expert_pairs_fp4_triton
+from engine.kernels.fp4_moe import (
+    LARGE_TILES,
+    PackedFp4,
+    expert_tiles,
+    moe_expert_pairs_fp4_reference,
+    moe_expert_pairs_fp4_triton,
+)
 from engine.kernels.moe import moe_expert_pairs_reference
 from engine.kernels.quant import quantize_fp4_weight, quantize_nvfp4_weight
 from engine.kernels.split_k import tile_counters
@@ -72,6 +81,27 @@ def test_every_pair_on_one_expert(layout):
     x = torch.randn(20, D, generator=gen)
     weights = torch.rand(20, K, generator=gen)
     _assert_matches(x, weights, torch.full((20, K), 2), _experts(3, gen, layout), block_m=16)
+
+
+@LAYOUTS
+def test_prefill_tiles_over_several_pair_blocks(layout):
+    """LARGE_TILES (pair blocks of 128; the weight tiles clamped to these widths): 100 tokens x 3 picks on 2 experts,
+    150 and 150 pairs, each in two blocks."""
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(100, D, generator=gen)
+    weights = torch.rand(100, K, generator=gen)
+    _assert_matches(x, weights, torch.arange(K).repeat(100, 1) % 2, _experts(2, gen, layout), **LARGE_TILES)
+
+
+def test_prefill_tiles_beyond_64_pairs_an_expert_where_shared_memory_allows():
+    cuda = types.SimpleNamespace(type="cuda")
+    with mock.patch("engine.kernels.fp4_moe.shared_memory_limit", return_value=227 * 1024):
+        assert expert_tiles(8192, 8192 * 6, 256, cuda) is LARGE_TILES
+        assert expert_tiles(2048, 2048 * 6, 256, cuda)["block_m"] == 64  # 48 pairs an expert
+        assert expert_tiles(16, 16 * 6, 256, cuda)["block_m"] == 16
+    with mock.patch("engine.kernels.fp4_moe.shared_memory_limit", return_value=99 * 1024):
+        assert expert_tiles(8192, 8192 * 6, 256, cuda)["block_m"] == 64
+    assert expert_tiles(8192, 8192 * 6, 256, torch.device("cpu"))["block_m"] == 64
 
 
 def test_mxfp4_zero_blocks_extreme_scales_and_uint8_codes():

@@ -122,9 +122,10 @@ def _routing(n: int, gen: torch.Generator, n_experts: int = E):
     return weights / weights.sum(-1, keepdim=True) * 1.5, ids
 
 
-@pytest.mark.parametrize(("n", "n_experts"), [(1, E), (16, E), (64, 32)])
+@pytest.mark.parametrize(("n", "n_experts"), [(1, E), (16, E), (64, 32), (3072, 32)])
 def test_mxfp4_experts_at_flash_sizes(experts, n, n_experts):
-    """Batch 64 routes among 32 experts only: the reference dequantizes every expert it touches."""
+    """Batch 64 routes among 32 experts only: the reference dequantizes every expert it touches. 3072 tokens: a
+    prefill chunk's LARGE_TILES (72 pairs an expert of 256 on average; here 576 of each of 32, in 5 blocks)."""
     gen = torch.Generator(device=DEV).manual_seed(100 + n)
     weights, ids = _routing(n, gen, n_experts)
     x = torch.randn(n, D, device=DEV, generator=gen).bfloat16()
