@@ -57,8 +57,9 @@ MX_BLOCK = 32  # values per ue8m0 scale
 PROGRAMS_PER_SM = 3  # the expert kernels' programs a multiprocessor holds at once (their registers allow three)
 # A program upcasts its weight tile once per BLOCK_M pairs. Where an expert gets more pairs than one 64-pair tile on
 # average (prefill chunks of more than ~2700 tokens at 6 of 256 experts), 128 x 128 tiles in 8 warps upcast each code
-# once per 128 pairs: 1.5-1.6x faster at 4096 and 8192 tokens on the H100, slower up to 48 pairs an expert
-# (bench/quant.py's prefill chunks). Their 3 stages take up to 160 KB of shared memory: Hopper's 227 KB only.
+# once per 128 pairs: 1.35-1.42x faster at 4096 and 8192 tokens on the H200 (1.5-1.6x on the H100), slower up to 48
+# pairs an expert (bench/quant.py's prefill chunks). Their 3 stages take up to 160 KB of shared memory: Hopper's 227 KB
+# only.
 LARGE_TILES = {"block_m": 128, "block_i": 128, "block_d": 128, "num_warps": 8}
 
 
