@@ -148,6 +148,10 @@ class Attention(nn.Module):
             else None
         )
         self.indexer = Indexer(args, self.rotary, quant_sim) if self.ratio == 4 else None
+        # Training only (engine/tools/train_demo.py): a c4 layer's torch prefill attends every visible row, not the
+        # indexer's top-k, as DeepSeek V3.2 warms its indexer up against dense attention: a query whose top-k misses
+        # the rows it needs gets no gradient towards them.
+        self.dense_warmup = False
         self.kv: LayerKV | None = None  # this layer's share of the paged cache, bound at boot
         # Projections that read the same input, as few GEMMs as their formats allow: of x, wq_a, wkv and the
         # indexer's weights_proj (shared by all heads: replicated); of the normed q LoRA, wq_b (split by heads) and
@@ -271,11 +275,12 @@ class Attention(nn.Module):
         in_window = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :] >= 0
         seen = gathered = window  # per query: keys scored, keys copied for it
         index_rows = 0  # per query: index scores
-        if self.indexer is not None:
+        sparse = self.indexer is not None and not self.dense_warmup
+        if sparse:
             index_keys = cache.index.read(index_slots).to(span.dtype)
             seen = gathered = window + self.indexer.topk
             index_rows = len(index_slots)
-        elif self.compressor is not None:  # c128: every row whose window has closed, the same rows for all queries
+        elif self.compressor is not None:  # c128 (or dense c4): every row whose window has closed, for all queries
             compressed = cache.comp.read(comp_slots).to(span.dtype)
             visible = (positions + 1) // self.ratio
             seen = window + len(comp_slots)
@@ -285,7 +290,7 @@ class Attention(nn.Module):
         for a in range(0, len(q), step):
             b = slice(a, a + step)
             parts = [(windows[b], in_window[b])]
-            if self.indexer is not None:
+            if sparse:
                 picked = self.indexer.select(proj["query"][0][b], proj["query"][1][b], positions[b], index_keys)
                 chosen = cache.comp.read(comp_slots[picked.clamp(min=0)].flatten()).to(span.dtype)
                 parts.append((chosen.unflatten(0, picked.shape), picked >= 0))

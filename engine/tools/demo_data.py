@@ -565,7 +565,7 @@ def render(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | 
     )
 
 
-def _threads() -> ThreadPoolExecutor:
+def threads() -> ThreadPoolExecutor:
     """Tokenizing dominates (about a million tokens a second on one core) and releases the GIL: threads scale it."""
     return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
 
@@ -603,7 +603,7 @@ def generate(
         rng = random.Random(f"{config.seed}/{split}/{task}/{index}")
         return _sample(f"{split}-{task}-{index:05d}", task, rng, bank, config, tokenizer)
 
-    with _threads() as pool:
+    with threads() as pool:
         samples = list(pool.map(one, jobs))
     if split == "train":
         random.Random(f"{config.seed}/{split}/order").shuffle(samples)
@@ -1197,7 +1197,7 @@ def check_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer: T
     return the number of runs checked against."""
     runs = held_out_runs(texts, tokenizer, n)
     samples = list(samples)
-    with _threads() as pool:
+    with threads() as pool:
         encoded = pool.map(lambda sample: tokenizer.encode(sample.prompt + sample.completion), samples)
     for sample, ids in zip(samples, encoded, strict=True):
         windows = zip(*(ids[k:] for k in range(n)), strict=False)

@@ -85,22 +85,32 @@ class Recipe:
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
+    # Steps whose c4 layers attend every visible row (Attention.dense_warmup) while the indexer learns the main
+    # attention's distribution; the rest attend the indexer's top-k, as served.
+    dense_warmup_steps: int = 0
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     prompt_weight: float = 0.3
     mtp_weight: float = 0.3
     indexer_weight: float = 1.0
     bias_update: float = 1e-3
-    # A checkpoint to start from (an earlier run's --out) instead of the seeded random weights: a run longer than
-    # one device call goes on from the last one's weights, its optimizer state started afresh (warm-up again).
+    # A checkpoint to start from (an earlier run's --out) instead of the seeded random weights, and the step of the
+    # schedule it goes on from: a run longer than one device call goes on from the last one's weights, its optimizer
+    # state started afresh (warmed up again) and its samples drawn anew (seed + first_step), not repeated.
     init: str = ""
+    first_step: int = 0
     config: dict = field(default_factory=lambda: dict(DEMO_CONFIG))
 
     def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        done = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+        """Linear warm-up from the run's first step, then the schedule's cosine decay over all its steps."""
+        ramp = min(1.0, (step - self.first_step + 1) / self.warmup_steps)
+        done = max(0, step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+        return ramp * self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
+
+    @property
+    def data_seed(self) -> int:
+        return self.seed + self.first_step
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,11 @@ def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
 
 
 def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[Example]:
-    return [Example(torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion)), s.prompt_tokens)
-            for s in samples]  # fmt: skip
+    def one(s: demo_data.Sample) -> Example:
+        return Example(torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion)), s.prompt_tokens)
+
+    with demo_data.threads() as pool:
+        return list(pool.map(one, samples))
 
 
 def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, seed: int) -> Iterator[list[Row]]:
@@ -289,11 +302,13 @@ def _target(e: Example, ahead: int) -> list[int]:
     return [-100] * start + body + [-100] * (len(ids) - start - len(body))
 
 
-def train(recipe: Recipe, out: Path, device: torch.device, held_out: Path = demo_data.QUALIFICATION_MD) -> DeepseekV4:
+def train(recipe: Recipe, out: Path, device: torch.device, held_out: Path = demo_data.QUALIFICATION_MD,
+          stop_after_s: float = 0.0) -> DeepseekV4:  # fmt: skip
     """Train as the recipe says, on samples that share no 8-token run with the gates' texts in `held_out`
-    (qualification.md); the loss curve and the checkpoint go to `out`."""
+    (qualification.md); the loss curve and the checkpoint go to `out`. With `stop_after_s`, the run ends after the
+    first step past that many seconds of training, its checkpoint written: the next call goes on from it."""
     with torch_references():
-        return _train(recipe, out, device, held_out)
+        return _train(recipe, out, device, held_out, stop_after_s)
 
 
 @contextmanager
@@ -310,10 +325,12 @@ def torch_references() -> Iterator[None]:
             os.environ["FLASHGATE_KERNELS"] = before
 
 
-def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> DeepseekV4:
-    torch.manual_seed(recipe.seed)
+def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop_after_s: float) -> DeepseekV4:
+    torch.manual_seed(recipe.data_seed)
+    # TF32 products in the fp32 training: the model's own bf16 checkpoint is coarser than their rounding.
+    torch.backends.cuda.matmul.allow_tf32 = True
     tokenizer = demo_data.default_tokenizer()
-    config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
+    config = demo_data.Config(seed=recipe.data_seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("train", demo_data.mix_counts(recipe.train_samples), config, tokenizer)
     demo_data.check_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
     train_items = examples(samples, tokenizer)
@@ -324,10 +341,13 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
     groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
     curve, started, tokens = [], time.perf_counter(), 0
-    steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.seed)  # endless
-    for step, rows in zip(range(recipe.steps), steps, strict=False):
+    steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.data_seed)  # endless
+    c4 = [m for m in model.modules() if isinstance(m, Attention) and m.indexer is not None]
+    for step, rows in zip(range(recipe.first_step, recipe.steps), steps, strict=False):
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr_at(step)
+        for attn in c4:
+            attn.dense_warmup = step < recipe.dense_warmup_steps
         with routing_loads(model) as loads:
             parts = losses(model, rows, device)
         total = (parts["lm"] + recipe.prompt_weight * parts["prompt"] + recipe.mtp_weight * parts["mtp"]
@@ -347,6 +367,11 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path) -> D
         curve.append(record)
         if step % 10 == 0 or step == recipe.steps - 1:
             log.info("train_step", **record)
+        if stop_after_s and time.perf_counter() - started > stop_after_s:
+            log.info("train_stopped", step=step, after_s=round(time.perf_counter() - started), steps=recipe.steps)
+            break
+    for attn in c4:
+        attn.dense_warmup = False
     _write_log(out, recipe, curve, device)
     save(model, recipe, out)
     return model
@@ -397,13 +422,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory for the checkpoint and train_log.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
+    parser.add_argument("--stop-after-s", type=float, default=0.0, help="end after this many seconds of training")
+    parser.add_argument("--no-eval", action="store_true", help="write the checkpoint without evaluating it")
     for f in dataclasses.fields(Recipe):
         if f.name != "config":
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = parser.parse_args(argv)
     configure_logging()
     recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe) if f.name != "config"})
-    train(recipe, args.out, torch.device(args.device), args.held_out)
+    train(recipe, args.out, torch.device(args.device), args.held_out, args.stop_after_s)
+    if args.no_eval:
+        return
     accuracy = evaluate(args.out, recipe, args.device)
     (args.out / "eval.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "accuracy": accuracy}) + "\n")
     log.info("evaluated", **accuracy)

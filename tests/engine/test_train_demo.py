@@ -1,14 +1,18 @@
 """The demo model's training (engine/tools/train_demo.py) on the CPU at the tiny checkpoint's widths: every trainable
 tensor gets a gradient (the indexer's through its distillation), a batch trained on is fitted, routing biases move
-towards balance, runs are seeded, and what it writes is a checkpoint the engine serves and evaluation scores."""
+towards balance, the dense warm-up attends every c4 row, runs are seeded and go on from a checkpoint at their step of
+the schedule, and what it writes is a checkpoint the engine serves and evaluation scores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
+from engine.model.attention import Attention
 from engine.tools import demo_data
 from engine.tools.make_tiny import TINY_CONFIG
 from engine.tools.train_demo import (
@@ -101,3 +105,37 @@ def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(ite
         assert all(sum(len(e.ids) for e in row) <= row_tokens for row in rows if len(row) > 1)
         seen += [e for row in rows for e in row]
     assert sorted(map(id, seen)) == sorted(map(id, items))
+
+
+def test_the_dense_warm_up_attends_every_visible_c4_row(items):
+    """With a top-k that covers every row the indexer's choice is all of them: dense and sparse agree. With the tiny
+    top-k of 8 they differ, so the warm-up's attention is not the served one's."""
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.max_tokens, SMALL.seed))
+
+    def lm(recipe: Recipe, dense: bool) -> float:
+        model = initial_model(recipe, CPU)
+        for attn in model.modules():
+            if isinstance(attn, Attention) and attn.indexer is not None:
+                attn.dense_warmup = dense
+        with torch.no_grad():
+            return losses(model, batch, CPU)["lm"].item()
+
+    covering = Recipe(config=dict(TINY_CONFIG) | {"index_topk": SMALL.max_tokens // 4})
+    assert lm(covering, True) == pytest.approx(lm(covering, False), rel=1e-5)
+    assert lm(SMALL, True) != pytest.approx(lm(SMALL, False), rel=1e-3)
+
+
+def test_a_run_goes_on_from_a_checkpoint_at_its_step_of_the_schedule(tmp_path):
+    recipe = dataclasses.replace(SMALL, steps=3, dense_warmup_steps=1)
+    train(recipe, tmp_path / "first", CPU, stop_after_s=1e-9)  # ends after its first step
+    first = json.loads((tmp_path / "first" / "train_log.json").read_text())["curve"]
+    assert [c["step"] for c in first] == [0]
+    resumed = dataclasses.replace(recipe, init=str(tmp_path / "first"), first_step=1)
+    train(resumed, tmp_path / "second", CPU)
+    second = json.loads((tmp_path / "second" / "train_log.json").read_text())["curve"]
+    assert [c["step"] for c in second] == [1, 2]
+    # Warmed up again from the run's first step, on the schedule's cosine; its samples drawn anew.
+    schedule = Recipe(lr=1.0, min_lr_ratio=0.0, warmup_steps=10, steps=110, first_step=60)
+    assert schedule.lr_at(60) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert schedule.lr_at(70) == pytest.approx(dataclasses.replace(schedule, first_step=0).lr_at(70))
+    assert resumed.data_seed != recipe.data_seed
