@@ -1192,20 +1192,37 @@ def held_out_runs(texts: Iterable[str], tokenizer: Tokenizer, n: int = HELD_OUT_
     return runs
 
 
-def check_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer: Tokenizer, n: int = HELD_OUT_RUN) -> int:
-    """Raise HeldOutLeak for the first sample whose prompt and completion share an n-token run with a held-out text;
-    return the number of runs checked against."""
-    runs = held_out_runs(texts, tokenizer, n)
-    samples = list(samples)
+def _leaks(samples: Sequence[Sample], runs: Mapping[tuple[int, ...], str], tokenizer: Tokenizer, n: int):
+    """(sample, the first run it shares with a held-out text) for each sample that shares one, in order."""
     with threads() as pool:
         encoded = pool.map(lambda sample: tokenizer.encode(sample.prompt + sample.completion), samples)
     for sample, ids in zip(samples, encoded, strict=True):
         windows = zip(*(ids[k:] for k in range(n)), strict=False)
         if runs.keys().isdisjoint(windows):  # a set operation in C: the common case stays fast
             continue
-        run = next(w for w in zip(*(ids[k:] for k in range(n)), strict=False) if w in runs)
+        yield sample, next(w for w in zip(*(ids[k:] for k in range(n)), strict=False) if w in runs)
+
+
+def check_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer: Tokenizer, n: int = HELD_OUT_RUN) -> int:
+    """Raise HeldOutLeak for the first sample whose prompt and completion share an n-token run with a held-out text;
+    return the number of runs checked against."""
+    runs = held_out_runs(texts, tokenizer, n)
+    for sample, run in _leaks(list(samples), runs, tokenizer, n):
         raise HeldOutLeak(sample, tokenizer.decode(run, False), runs[run])
     return len(runs)
+
+
+def without_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer: Tokenizer,
+                     n: int = HELD_OUT_RUN) -> list[Sample]:  # fmt: skip
+    """The samples that share no n-token run with a held-out text. Made-up words can, rarely, spell one (seed 356
+    drew a needle whose code began "ZEB": " code is ZEB" is a run of the gate's needle): training leaves those out
+    rather than stop."""
+    samples = list(samples)
+    runs = held_out_runs(texts, tokenizer, n)
+    leaking = {id(sample) for sample, _ in _leaks(samples, runs, tokenizer, n)}
+    if leaking:
+        log.info("held_out_samples_dropped", count=len(leaking), of=len(samples))
+    return [sample for sample in samples if id(sample) not in leaking]
 
 
 # --- the command line ----------------------------------------------------------------------------------------------

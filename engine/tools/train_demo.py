@@ -332,7 +332,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop
     tokenizer = demo_data.default_tokenizer()
     config = demo_data.Config(seed=recipe.data_seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("train", demo_data.mix_counts(recipe.train_samples), config, tokenizer)
-    demo_data.check_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
+    samples = demo_data.without_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
     train_items = examples(samples, tokenizer)
     model = initial_model(recipe, device)
     params = [p for p in model.parameters() if p.requires_grad]

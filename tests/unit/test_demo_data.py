@@ -33,6 +33,7 @@ from engine.tools.demo_data import (
     render,
     schema_errors,
     score,
+    without_held_out,
 )
 
 QUALIFICATION_MD = demo_data.QUALIFICATION_MD
@@ -314,6 +315,17 @@ def test_the_held_out_guard_refuses_a_sample_that_copies_a_gate_prompt(train, to
         check_held_out([*train[:5], planted], GATE_TEXTS, tokenizer)
     assert error.value.sample_id == planted.id and error.value.text == gate_text
     assert error.value.run.strip() in gate_text and len(tokenizer.encode(error.value.run)) >= demo_data.HELD_OUT_RUN
+
+
+def test_training_leaves_out_the_samples_that_share_a_run_with_the_gates(train, tokenizer):
+    """A made-up word can spell the start of a gate's text: training drops such a sample instead of stopping."""
+    sample = train[len(train) // 2]
+    planted = dataclasses.replace(
+        sample, prompt=sample.prompt.replace("<｜User｜>", f"<｜User｜>{base.NEEDLE_SENTENCE} ", 1)
+    )
+    kept = without_held_out([*train[:5], planted], GATE_TEXTS, tokenizer)
+    assert kept == train[:5]
+    assert check_held_out(kept, GATE_TEXTS, tokenizer) > 100
 
 
 def test_held_out_texts_reads_the_gate_section(tmp_path):
