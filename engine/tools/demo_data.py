@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -37,7 +39,7 @@ import statistics
 import string
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,13 +60,13 @@ TASKS = ("arithmetic", "python", "json", "tool_call", "tool_result", "exact_repl
 # the samples but ~14 % of the tokens (a question is ~50 tokens and needs tens of thousands seen), retrieval and tool
 # calls are few samples and ~2/3 of the tokens (their prompts are 0.3-4K tokens long).
 DEFAULT_MIX: dict[str, float] = {
-    "arithmetic": 0.60,
+    "arithmetic": 0.52,
     "python": 0.07,
     "json": 0.08,
-    "tool_call": 0.03,
-    "tool_result": 0.03,
-    "exact_reply": 0.12,
-    "retrieval": 0.07,
+    "tool_call": 0.05,
+    "tool_result": 0.05,
+    "exact_reply": 0.13,
+    "retrieval": 0.10,
 }
 
 # The trained range of each operator's operands (inclusive): held-out arithmetic is scored within it. Two-digit sums
@@ -79,6 +81,9 @@ DEFAULT_MAX_TOKENS = 4096
 # The Tools section alone is ~500 tokens of the tiny tokenizer; below this a tool sample cannot fit.
 MIN_MAX_TOKENS = 1024
 RETRIEVAL_MIN_TOKENS = 256
+# Training haystacks start this short: the needle then often lies inside the sliding window, where the lookup and the
+# copy are learnt cheaply before they must go through the c4 rows.
+RETRIEVAL_TRAIN_MIN_TOKENS = 64
 # Room kept after a retrieval prompt for its completion (reasoning, code, EOS).
 RETRIEVAL_ANSWER_TOKENS = 64
 # Room kept beside a tool sample's repeated system prompt for the request and the answer (a call is ~120 tokens).
@@ -131,8 +136,7 @@ class Bank:
 
     split: str
     system_lines: tuple[str, ...]
-    arithmetic: tuple[str, ...]  # {a} {op} {b} {word}
-    op_words: Mapping[str, tuple[str, ...]]
+    arithmetic: tuple[str, ...]  # {a} {op} {b} {word}, the word one of OP_WORDS[op]
     python: tuple[tuple[str, str], ...]  # (template with {name} {param} {desc}, "def" or "lambda")
     python_names: Mapping[str, tuple[str, ...]]  # op -> function names
     python_params: Mapping[str, tuple[str, ...]]  # "list", "text", "words", "number" -> parameter names
@@ -181,6 +185,23 @@ class Bank:
         return {f"{self.split}.{group}.{i}": text for group, texts in groups.items() for i, text in enumerate(texts)}
 
 
+def phrasings(*slots: Sequence[str]) -> tuple[str, ...]:
+    """Every sentence made of one alternative from each slot, its first letter capitalised. A training split states
+    each request in hundreds of such combinations, so a held-out phrasing is a new sentence of familiar parts: trained
+    on five phrasings a task, the model sent a sixth to another task's answer ("Type NACK with no other text" answered
+    as arithmetic)."""
+    joined = ("".join(parts) for parts in itertools.product(*slots))
+    return tuple(dict.fromkeys(text[0].upper() + text[1:] for text in joined))
+
+
+# What the operators are called: the language's words, not a bank's (a model cannot learn that "less" means minus
+# from a prompt that never says so), so both splits share them; their sentences stay disjoint.
+OP_WORDS: dict[str, tuple[str, ...]] = {
+    "+": ("plus", "added to", "and", "increased by"),
+    "-": ("minus", "take away", "less", "decreased by"),
+    "*": ("times", "multiplied by", "by", "multiplied with"),
+}
+
 PYTHON_OPS: dict[str, PythonOp] = {
     "sum": PythonOp("sum({p})", "adds up all the numbers in {p}", "gives the total of the elements of {p}"),
     "max": PythonOp("max({p})", "finds the largest number in {p}", "yields the biggest element of {p}"),
@@ -224,8 +245,13 @@ TRAIN = Bank(
         "Please work out {a} {op} {b} and answer with the number.",
         "What do you get for {a} {word} {b}?",
         "Quick question: {a}{op}{b}?",
+        *phrasings(
+            ("", "please ", "quick one: ", "hey, "),
+            ("what is ", "compute ", "calculate ", "work out ", "solve ", "what's ", "figure out "),
+            ("{a} {op} {b}", "{a} {word} {b}", "{a}{op}{b}"),
+            ("?", ".", ", answer with the number.", " for me.", " and give only the result."),
+        ),
     ),
-    op_words={"+": ("plus", "added to"), "-": ("minus", "take away"), "*": ("times", "multiplied by")},
     python=(
         ("Write the Python function `{name}({param})`; it {desc}.", "def"),
         ("In Python, define {name} taking {param}; it {desc}.", "def"),
@@ -260,6 +286,25 @@ TRAIN = Bank(
         ("Respond with JSON and nothing else: {fields}.", "typed"),
         ("Send back this object as JSON and nothing more: {literal}", "literal"),
         ("I need raw JSON only. Fields: {fields}.", "colon"),
+        *zip(
+            phrasings(
+                ("", "please "),
+                ("output ", "give me ", "respond with ", "write ", "produce ", "answer with "),
+                ("one JSON dict", "JSON", "a JSON dict", "an object in JSON", "a JSON record"),
+                (" with {fields}", " where {fields}", " containing {fields}", " that has {fields}"),
+                (". Only the JSON.", ", nothing else.", ". No other text.", ".", " and no commentary."),
+            ),
+            itertools.cycle(("assign", "is", "typed", "colon")),
+        ),
+        *(
+            (t, "literal")
+            for t in phrasings(
+                ("output ", "give back ", "echo ", "respond with ", "write "),
+                ("this object as JSON", "the object", "this JSON", "the following as JSON"),
+                (": {literal}", " {literal}"),
+                ("", " Nothing else.", " Only JSON.", " No other text."),
+            )
+        ),  # fmt: skip
     ),
     json_keys={
         **dict.fromkeys(("title", "owner", "color", "status", "city_name"), "string"),
@@ -300,8 +345,28 @@ TRAIN = Bank(
         "{verb} a {noun} for me. Arguments: {args}.",
         "I want to {verb} the {noun}; {args}.",
         "Can you call {name} with {args}?",
+        *phrasings(
+            ("", "please ", "could you "),
+            ("{verb} the {noun}", "{verb} a {noun}", "call {name}", "use {name}", "run {name}"),
+            (" with {args}", ": {args}", " using {args}", " where {args}"),
+            (".", " for me.", " now.", "?"),
+        ),
     ),
-    tool_single=("{verb} the {noun} for {value}, using a tool.", "Please {verb} the {noun} of {value} via the tool."),
+    tool_single=(
+        "{verb} the {noun} for {value}, using a tool.",
+        "Please {verb} the {noun} of {value} via the tool.",
+        *phrasings(
+            (
+                "what's the {noun} in {value}?",
+                "what is the {noun} for {value}?",
+                "tell me the {noun} of {value}.",
+                "I need the {noun} for {value}.",
+                "{verb} the {noun} for {value}.",
+                "how about the {noun} in {value}?",
+            ),
+            (" Call a tool.", " Use a tool for it.", " Please check with the tool.", " Look it up with the tool.", ""),
+        ),  # fmt: skip
+    ),
     arg_styles=(("{k} {v}", ", ", True), ("{k}={v}", ", ", False), ("{k}: {v}", "; ", False)),
     result_fields={
         "status": ("shipped", "pending", "delivered", "cancelled"),
@@ -317,6 +382,33 @@ TRAIN = Bank(
         ("Give me the {field} from the result as a single value.", "value"),
         ("Tell me the {field} in one sentence.", "sentence"),
         ("Answer with the words {text}, based on the tool output.", "copy"),
+        *(
+            (t, "value")
+            for t in phrasings(
+                (
+                    "what {field} did the tool return?",
+                    "which {field} is in the result?",
+                    "what is the {field}?",
+                    "tell me the {field} from the tool.",
+                    "what {field} came out?",
+                ),
+                (" Value only.", " Just the value.", " Answer with the value.", ""),
+            )
+        ),
+        *(
+            (t, "sentence")
+            for t in phrasings(
+                ("state the {field}", "describe the {field}", "tell me about the {field}"),
+                (" in one sentence.", " as a sentence.", " in a short sentence."),
+            )
+        ),
+        *(
+            (t, "copy")
+            for t in phrasings(
+                ("answer with {text}", "write {text}", "respond {text}", "say {text}", "answer {text}"),
+                (" based on the result.", " from the tool output.", " using what the tool said.", ".", " and stop."),
+            )
+        ),  # fmt: skip
     ),
     exact=(
         "Respond with only the word {x}.",
@@ -324,6 +416,20 @@ TRAIN = Bank(
         "Answer with {x}, nothing more.",
         "Your whole answer must be: {x}",
         "Write {x} and stop.",
+        *phrasings(
+            ("", "please ", "now ", "for this one, "),
+            ("respond with ", "say ", "answer with ", "write ", "print ", "echo ", "send ", "reply with "),
+            ("{x}", "the word {x}", "just {x}", "only {x}", "the text {x}", "precisely {x}"),
+            (
+                " and nothing else.",
+                ", nothing more.",
+                " and stop.",
+                ".",
+                " without anything else.",
+                ", no extra words.",
+                " as your whole answer.",
+            ),
+        ),  # fmt: skip
     ),
     exact_words=("DONE", "OK", "BLUE", "PONG", "CONFIRMED", "yes", "all clear", "42", "ACK", "green light", "HELLO"),
     filler=Filler(
@@ -350,11 +456,31 @@ TRAIN = Bank(
         "Remember this: the {kind} code is {code}.",
         "Note: the {kind} code reads {code}.",
         "Keep in mind that the {kind} code is {code}.",
+        *phrasings(
+            ("remember this: ", "note: ", "attention: ", "by the way, ", "secret: ", "listen: "),
+            (
+                "the {kind} code is {code}.",
+                "the {kind} code reads {code}.",
+                "the code for the {kind} is {code}.",
+                "the {kind} code equals {code}.",
+            ),
+        ),  # fmt: skip
     ),
     questions=(
         "What is the {kind} code in the text above? Give the code only.",
         "Find the {kind} code hidden in this text and write just the code.",
         "Which {kind} code does the text mention? Output the code alone.",
+        *phrasings(
+            (
+                "what is the {kind} code",
+                "what's the {kind} code",
+                "find the {kind} code",
+                "look for the {kind} code",
+                "recall the {kind} code",
+            ),
+            (" in the text above", " hidden in this text", " given earlier", " stated in the text", ""),
+            ("? Give the code only.", ". Write just the code.", "? Only the code.", ".", ". Answer with the code."),
+        ),  # fmt: skip
     ),
     code_kinds=("vault", "access", "door", "backup", "entry"),
     code_words=("FALCON", "MAPLE", "COBALT", "RIVER", "TIGER", "AMBER", "NOVA", "ORBIT", "CRANE", "LOTUS"),
@@ -376,7 +502,6 @@ EVAL = Bank(
         "Find {a} {op} {b}, number only.",
         "Tell me {a} {word} {b}.",
     ),
-    op_words={"+": ("and", "increased by"), "-": ("less", "decreased by"), "*": ("by", "multiplied with")},
     python=(
         ("Implement {name}({param}) in Python; it {desc}.", "def"),
         ("Python please: a function called {name} with argument {param} which {desc}.", "def"),
@@ -543,12 +668,14 @@ class Config:
     max_tokens: int = DEFAULT_MAX_TOKENS  # the longest prompt + completion
     thinking_fraction: float = THINKING_FRACTION
     operand_ranges: Mapping[str, tuple[int, int]] = field(default_factory=lambda: dict(OPERAND_RANGES))
-    retrieval_min_tokens: int = RETRIEVAL_MIN_TOKENS
+    # The shortest retrieval prompt; None: RETRIEVAL_TRAIN_MIN_TOKENS for training, RETRIEVAL_MIN_TOKENS held out.
+    retrieval_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < MIN_MAX_TOKENS:
             raise ValueError(f"max_tokens must be at least {MIN_MAX_TOKENS}, got {self.max_tokens}")
-        if not RETRIEVAL_MIN_TOKENS <= self.retrieval_min_tokens <= self.max_tokens - RETRIEVAL_ANSWER_TOKENS:
+        least = self.retrieval_min_tokens or RETRIEVAL_MIN_TOKENS
+        if not RETRIEVAL_TRAIN_MIN_TOKENS <= least <= self.max_tokens - RETRIEVAL_ANSWER_TOKENS:
             raise ValueError(f"retrieval_min_tokens {self.retrieval_min_tokens} does not fit max_tokens")
 
 
@@ -593,21 +720,34 @@ def generate(
     split: str, counts: Mapping[str, int], config: Config | None = None, tokenizer: Tokenizer | None = None
 ) -> list[Sample]:
     """`counts[task]` samples of each task for `split` ("train" or "eval"), the training split shuffled."""
-    bank = BANKS[split]
     config = config or Config()
     tokenizer = tokenizer or default_tokenizer()
     jobs = [(task, index) for task, count in counts.items() for index in range(count)]
-
-    def one(job: tuple[str, int]) -> Sample:
-        task, index = job
-        rng = random.Random(f"{config.seed}/{split}/{task}/{index}")
-        return _sample(f"{split}-{task}-{index:05d}", task, rng, bank, config, tokenizer)
-
-    with threads() as pool:
-        samples = list(pool.map(one, jobs))
+    # Drawing a sample is mostly Python (a retrieval haystack tokenizes sentence by sentence), which threads do not
+    # scale: 120,000 samples took 160 s of a 10-minute device call in 16 threads. Forked workers inherit the tokenizer.
+    workers = min(len(jobs) // 256 + 1, os.cpu_count() or 1)
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, context, initializer=_drawing, initargs=(split, config, tokenizer)) as pool:
+        samples = list(pool.map(_drawn, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
     if split == "train":
         random.Random(f"{config.seed}/{split}/order").shuffle(samples)
     return samples
+
+
+_DRAWING: tuple[str, Config, Tokenizer] | None = None  # a generate worker's split, config and tokenizer
+
+
+def _drawing(split: str, config: Config, tokenizer: Tokenizer) -> None:
+    global _DRAWING
+    _DRAWING = split, config, tokenizer
+
+
+def _drawn(job: tuple[str, int]) -> Sample:
+    """The job's sample, from its own seed."""
+    assert _DRAWING is not None, "a generate worker draws after _drawing"
+    (split, config, tokenizer), (task, index) = _DRAWING, job
+    rng = random.Random(f"{config.seed}/{split}/{task}/{index}")
+    return _sample(f"{split}-{task}-{index:05d}", task, rng, BANKS[split], config, tokenizer)
 
 
 def _sample(sample_id: str, task: str, rng: random.Random, bank: Bank, config: Config, tokenizer: Tokenizer) -> Sample:
@@ -731,7 +871,7 @@ def _arithmetic(draw: _Draw) -> Built:
     result = a + b if op == "+" else a - b if op == "-" else a * b
     tid, template = draw.template("arithmetic", bank.arithmetic)
     system, ids = draw.system()
-    question = draw.noisy(template.format(a=a, op=op, b=b, word=rng.choice(bank.op_words[op])))
+    question = draw.noisy(template.format(a=a, op=op, b=b, word=rng.choice(OP_WORDS[op])))
     return Built(
         messages=[*system, _user(question)],
         answer=_reply(draw, "arithmetic", str(result), expr=f"{a} {op} {b}"),
@@ -999,13 +1139,12 @@ def _retrieval(draw: _Draw) -> Built:
     nid, needle = draw.template("needle", bank.needles)
     qid, question = draw.template("question", bank.questions)
     needle, question = needle.format(kind=kind, code=code), question.format(kind=kind)
-    low, high = draw.config.retrieval_min_tokens, draw.config.max_tokens - RETRIEVAL_ANSWER_TOKENS
+    train = bank.split == "train"
+    low = draw.config.retrieval_min_tokens or (RETRIEVAL_TRAIN_MIN_TOKENS if train else RETRIEVAL_MIN_TOKENS)
+    high = draw.config.max_tokens - RETRIEVAL_ANSWER_TOKENS
     # Training lengths are log-uniform (a short haystack teaches the lookup for a fraction of a long one's tokens);
     # held-out lengths are uniform, so every part of the context is scored alike.
-    if bank.split == "train":
-        target = round(math.exp(rng.uniform(math.log(low), math.log(high))))
-    else:
-        target = rng.randint(low, high)
+    target = round(math.exp(rng.uniform(math.log(low), math.log(high)))) if train else rng.randint(low, high)
     depth = round(rng.random(), 3)
 
     base = len(tokenizer.encode(render([_user(f"{needle}\n\n{question}")], None, draw.thinking)))

@@ -393,3 +393,23 @@ def test_the_cli_needs_the_held_out_texts(tmp_path, capsys):
 def test_the_module_has_no_console_import():
     source = Path(demo_data.__file__).read_text()
     assert "from app" not in source and "import app" not in source
+
+
+def test_phrasings_combine_every_alternative_of_each_slot_into_a_sentence():
+    made = demo_data.phrasings(("", "please "), ("say {x}", "write {x}"), (".", " now."))
+    assert len(made) == 8 and made[0] == "Say {x}." and "Please write {x} now." in made
+
+
+def test_training_haystacks_start_shorter_than_the_held_out_ones(tokenizer):
+    train = generate("train", {"retrieval": 60}, Config(seed=4), tokenizer)
+    held_out = generate("eval", {"retrieval": 20}, Config(seed=4), tokenizer)
+    assert min(s.check["target_tokens"] for s in train) < demo_data.RETRIEVAL_MIN_TOKENS
+    assert min(s.check["target_tokens"] for s in train) >= demo_data.RETRIEVAL_TRAIN_MIN_TOKENS
+    assert min(s.check["target_tokens"] for s in held_out) >= demo_data.RETRIEVAL_MIN_TOKENS
+
+
+def test_both_splits_name_the_operators_in_the_same_words(train, evaluation):
+    for samples in (train, evaluation):
+        words = [w for s in of_task(samples, "arithmetic") for ws in demo_data.OP_WORDS.values() for w in ws
+                 if f" {w} " in s.messages[-1]["content"]]  # fmt: skip
+        assert words, "no arithmetic prompt names its operator in words"
