@@ -400,7 +400,9 @@ def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:
 
 
 def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str, float]:
-    """Greedy answers of the written checkpoint, served by the engine, to the held-out samples: accuracy per task."""
+    """Greedy answers of the written checkpoint, served by the engine, to the held-out samples: accuracy per task.
+    Each answer, with its sample's template, the completion it should be and the verdict, is kept in
+    `eval_answers.jsonl` beside the checkpoint: the evidence a failing task is diagnosed from."""
     tokenizer = Tokenizer.from_model_dir(model_dir)
     config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("eval", dict.fromkeys(demo_data.TASKS, recipe.eval_per_task), config, tokenizer)
@@ -411,9 +413,14 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str,
         params = [SamplingParams(temperature=0, max_tokens=s.completion_tokens + 32) for s in samples]
         outputs = llm.generate(prompts, params)
     correct: dict[str, list[bool]] = {}
-    for sample, output in zip(samples, outputs, strict=True):
-        text = tokenizer.decode(output.token_ids, skip_special_tokens=False)
-        correct.setdefault(sample.task, []).append(demo_data.score(sample.task, sample, text))
+    with (model_dir / "eval_answers.jsonl").open("w", encoding="utf-8") as answers:
+        for sample, output in zip(samples, outputs, strict=True):
+            text = tokenizer.decode(output.token_ids, skip_special_tokens=False)
+            ok = demo_data.score(sample.task, sample, text)
+            correct.setdefault(sample.task, []).append(ok)
+            record = {"id": sample.id, "task": sample.task, "template": sample.template, "ok": ok,
+                      "expected": sample.completion, "answer": text}  # fmt: skip
+            answers.write(json.dumps(record) + "\n")
     return {task: round(sum(ok) / len(ok), 4) for task, ok in correct.items()}
 
 

@@ -93,6 +93,11 @@ def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(tmp_path):
     assert (tmp_path / "a" / "model.safetensors").stat().st_size <= MAX_CHECKPOINT_BYTES
     accuracy = evaluate(tmp_path / "a", SMALL, "cpu")
     assert set(accuracy) == set(demo_data.TASKS) and all(0 <= a <= 1 for a in accuracy.values())
+    answers = [json.loads(line) for line in (tmp_path / "a" / "eval_answers.jsonl").read_text().splitlines()]
+    assert len(answers) == SMALL.eval_per_task * len(demo_data.TASKS)
+    for task, share in accuracy.items():  # the kept verdicts are the ones counted
+        verdicts = [a["ok"] for a in answers if a["task"] == task]
+        assert sum(verdicts) / len(verdicts) == pytest.approx(share, abs=1e-4)
 
 
 def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(items):
