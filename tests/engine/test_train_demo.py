@@ -112,6 +112,15 @@ def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(ite
     assert sorted(map(id, seen)) == sorted(map(id, items))
 
 
+def test_a_retrieval_sample_has_a_row_to_itself(items):
+    """Another haystack's needle before it would leave its question ambiguous."""
+    assert any(e.alone for e in items) and not all(e.alone for e in items)
+    steps = batches(items, tokens_per_step=8000, row_tokens=1200, seed=3)
+    rows = [row for _ in range(len(items)) for row in next(steps)]
+    assert any(e.alone for row in rows for e in row) and any(len(row) > 1 for row in rows)
+    assert all(len(row) == 1 for row in rows if any(e.alone for e in row))
+
+
 def test_the_dense_warm_up_attends_every_visible_c4_row(items):
     """With a top-k that covers every row the indexer's choice is all of them: dense and sparse agree. With the tiny
     top-k of 8 they differ, so the warm-up's attention is not the served one's."""
