@@ -345,7 +345,8 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop
     plain = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
-    curve, started, tokens = [], time.perf_counter(), 0
+    curve = earlier_curve(recipe)
+    started, tokens, spent = time.perf_counter(), 0, curve[-1]["tokens"] if curve else 0
     steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.data_seed)  # endless
     c4 = [m for m in model.modules() if isinstance(m, Attention) and m.indexer is not None]
     for step, rows in zip(range(recipe.first_step, recipe.steps), steps, strict=False):
@@ -367,7 +368,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop
         balance_routing(loads, recipe.bias_update)
         tokens += sum(len(e.ids) for row in rows for e in row)
         record = {"step": step, "lr": recipe.lr_at(step), "grad_norm": round(float(grad_norm), 4),
-                  **{k: round(v.item(), 4) for k, v in parts.items()}, "tokens": tokens,
+                  **{k: round(v.item(), 4) for k, v in parts.items()}, "tokens": spent + tokens,
                   "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip
         curve.append(record)
         if step % 10 == 0 or step == recipe.steps - 1:
@@ -380,6 +381,15 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop
     _write_log(out, recipe, curve, device)
     save(model, recipe, out)
     return model
+
+
+def earlier_curve(recipe: Recipe) -> list[dict]:
+    """A resumed run's curve begins with the steps before its first one, from the checkpoint's own train_log.json
+    (their `tokens` count on): the run that spans calls is recorded whole."""
+    earlier = Path(recipe.init) / "train_log.json"
+    if not recipe.init or not earlier.is_file():
+        return []
+    return [c for c in json.loads(earlier.read_text())["curve"] if c["step"] < recipe.first_step]
 
 
 def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.device) -> None:

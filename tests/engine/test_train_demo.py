@@ -147,7 +147,8 @@ def test_a_run_goes_on_from_a_checkpoint_at_its_step_of_the_schedule(tmp_path):
     resumed = dataclasses.replace(recipe, init=str(tmp_path / "first"), first_step=1)
     train(resumed, tmp_path / "second", CPU)
     second = json.loads((tmp_path / "second" / "train_log.json").read_text())["curve"]
-    assert [c["step"] for c in second] == [1, 2]
+    assert [c["step"] for c in second] == [0, 1, 2]  # the whole run's curve, its tokens counted on
+    assert second[0] == first[0] and second[0]["tokens"] < second[1]["tokens"] < second[2]["tokens"]
     # Warmed up again from the run's first step, on the schedule's cosine; its samples drawn anew.
     schedule = Recipe(lr=1.0, min_lr_ratio=0.0, warmup_steps=10, steps=110, first_step=60)
     assert schedule.lr_at(60) == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 0.5)))
