@@ -452,6 +452,15 @@ PREFILL_LAUNCH = {"block_i": 64, "block_d": 256, "block_k": 64, "num_warps": 8, 
 PREFILL_TOKENS = 64  # above this many tokens, PREFILL_LAUNCH
 
 
+def _dividing(block: int, size: int) -> int:
+    """The widest power-of-two tile up to `block` that divides `size`: a width that is not a power of two (the demo
+    model's 320) takes narrower tiles rather than masks."""
+    block = min(block, triton.next_power_of_2(size))
+    while size % block:
+        block //= 2
+    return block
+
+
 def moe_expert_pairs_triton(
     x, weights, ids, w1, w3, w2, limit, touched=None, remote=False, block_m: int | None = None, **launch
 ):  # fmt: skip
@@ -468,10 +477,10 @@ def moe_expert_pairs_triton(
     block_i, block_d, block_k = launch["block_i"], launch["block_d"], launch["block_k"]
     num_warps, num_stages = launch["num_warps"], launch["num_stages"]
     block_m = block_m or min(64, max(16, triton.next_power_of_2(n) // 2))
-    block_i, block_d = min(block_i, inter), min(block_d, dim)
-    block_k_up, block_k_down = min(block_k, dim), min(block_k, inter)
-    if inter % block_i or dim % block_d or dim % block_k_up or inter % block_k_down or w1.stride() != w3.stride():
-        raise ValueError(f"expert shapes D={dim}, I={inter} do not tile by {block_i}, {block_d}, {block_k}")
+    block_i, block_d = _dividing(block_i, inter), _dividing(block_d, dim)
+    block_k_up, block_k_down = _dividing(block_k, dim), _dividing(block_k, inter)
+    if min(block_i, block_d, block_k_up, block_k_down) < 16 or w1.stride() != w3.stride():
+        raise ValueError(f"expert shapes D={dim}, I={inter} do not tile by 16 (or w1 and w3 are laid out apart)")
     x = x.contiguous()
     order, offsets, active, y = sort_pairs(ids, n_experts, touched, remote, dim, x)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # x's dtype before w2, as the reference

@@ -13,6 +13,7 @@ import torch
 
 import engine.model.moe as moe_model
 from engine.kernels.moe import (
+    PREFILL_TOKENS,
     gate_route_reference,
     gate_route_triton,
     group_pairs_by_expert_reference,
@@ -167,6 +168,20 @@ def test_expert_pairs_match_reference(hashed):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     summed = ref.view(7, K, d).sum(1)
     torch.testing.assert_close(summed, moe_experts_reference(x, weights, ids, w1, w3, w2, LIMIT), rtol=1e-5, atol=1e-6)
+
+
+def test_expert_pairs_take_narrower_tiles_for_a_width_that_is_no_power_of_two():
+    """The demo model's D=320 under a prefill chunk's launch (256-wide tiles): 64-wide tiles, the reference's sums."""
+    d, inter, n = 320, 64, PREFILL_TOKENS + 1
+    x, weight, bias, table, input_ids = _gate_inputs(n, d, torch.float32, seed=6)
+    weights, ids = gate_route_reference(x, weight, bias, None, input_ids, K, SCALE)
+    gen = torch.Generator().manual_seed(7)
+    w1, w3 = torch.randn(2, E, inter, d, generator=gen) * d**-0.5
+    w2 = torch.randn(E, d, inter, generator=gen) * inter**-0.5
+    got = moe_expert_pairs_triton(x, weights, ids, w1, w3, w2, LIMIT)
+    torch.testing.assert_close(
+        got, moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, LIMIT), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("impl", [moe_expert_pairs_reference, moe_expert_pairs_triton], ids=["ref", "triton"])
