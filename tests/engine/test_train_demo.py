@@ -17,6 +17,7 @@ from engine.tools import demo_data
 from engine.tools.make_tiny import TINY_CONFIG
 from engine.tools.train_demo import (
     MAX_CHECKPOINT_BYTES,
+    Example,
     Recipe,
     balance_routing,
     batches,
@@ -112,13 +113,14 @@ def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(ite
     assert sorted(map(id, seen)) == sorted(map(id, items))
 
 
-def test_a_retrieval_sample_has_a_row_to_itself(items):
-    """Another haystack's needle before it would leave its question ambiguous."""
-    assert any(e.alone for e in items) and not all(e.alone for e in items)
-    steps = batches(items, tokens_per_step=8000, row_tokens=1200, seed=3)
-    rows = [row for _ in range(len(items)) for row in next(steps)]
-    assert any(e.alone for row in rows for e in row) and any(len(row) > 1 for row in rows)
-    assert all(len(row) == 1 for row in rows if any(e.alone for e in row))
+def test_a_retrieval_sample_starts_its_row(items):
+    """Another haystack's needle before it would leave its question ambiguous; the samples after it ask for none."""
+    assert [e.leads for e in items].count(True) == 1  # the retrieval sample
+    mixed = [Example(torch.arange(100), 50, leads=i % 4 == 0) for i in range(24)]
+    steps = batches(mixed, tokens_per_step=2000, row_tokens=250, seed=3)  # 8 rows of 2 samples a step
+    rows = [row for _ in range(6) for row in next(steps)]
+    assert all(not e.leads for row in rows for e in row[1:])
+    assert any(row[0].leads and len(row) == 2 for row in rows)
 
 
 def test_the_dense_warm_up_attends_every_visible_c4_row(items):
