@@ -340,47 +340,69 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop
     samples = demo_data.without_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
     train_items = examples(samples, tokenizer)
     model = initial_model(recipe, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    plain = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
+    optimizer = optimizer_for(model, recipe)
     curve = earlier_curve(recipe)
     started, tokens, spent = time.perf_counter(), 0, curve[-1]["tokens"] if curve else 0
     steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.data_seed)  # endless
-    c4 = [m for m in model.modules() if isinstance(m, Attention) and m.indexer is not None]
     for step, rows in zip(range(recipe.first_step, recipe.steps), steps, strict=False):
-        for group in optimizer.param_groups:
-            group["lr"] = recipe.lr_at(step)
-        for attn in c4:
-            attn.dense_warmup = step < recipe.dense_warmup_steps
-        with routing_loads(model) as loads:
-            parts = losses(model, rows, device)
-        total = (parts["lm"] + recipe.prompt_weight * parts["prompt"] + recipe.mtp_weight * parts["mtp"]
-                 + recipe.indexer_weight * parts["indexer"])  # fmt: skip
-        optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
-        if not torch.isfinite(grad_norm):  # stop with the curve so far rather than train on NaN
+        try:
+            measured = train_step(model, optimizer, rows, recipe, step, device)
+        except FloatingPointError:  # stop with the curve so far rather than train on NaN
             _write_log(out, recipe, curve, device)
-            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm.item()} (losses {parts})")
-        optimizer.step()
-        balance_routing(loads, recipe.bias_update)
+            raise
         tokens += sum(len(e.ids) for row in rows for e in row)
-        record = {"step": step, "lr": recipe.lr_at(step), "grad_norm": round(float(grad_norm), 4),
-                  **{k: round(v.item(), 4) for k, v in parts.items()}, "tokens": spent + tokens,
-                  "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip
+        record = {"step": step, "lr": recipe.lr_at(step), **{k: round(v, 4) for k, v in measured.items()},
+                  "tokens": spent + tokens, "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip
         curve.append(record)
         if step % 10 == 0 or step == recipe.steps - 1:
             log.info("train_step", **record)
         if stop_after_s and time.perf_counter() - started > stop_after_s:
             log.info("train_stopped", step=step, after_s=round(time.perf_counter() - started), steps=recipe.steps)
             break
-    for attn in c4:
-        attn.dense_warmup = False
+    dense_warmup(model, False)
     _write_log(out, recipe, curve, device)
     save(model, recipe, out)
     return model
+
+
+def optimizer_for(model: DeepseekV4, recipe: Recipe) -> torch.optim.AdamW:
+    """AdamW over the trainable tensors, weight decay on the matrices only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    plain = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
+
+
+def dense_warmup(model: DeepseekV4, on: bool) -> None:
+    for attn in model.modules():
+        if isinstance(attn, Attention) and attn.indexer is not None:
+            attn.dense_warmup = on
+
+
+def train_step(model: DeepseekV4, optimizer: torch.optim.AdamW, rows: Sequence[Row], recipe: Recipe, step: int,
+               device: torch.device) -> dict[str, float]:  # fmt: skip
+    """Step `step` of the schedule on `rows`: its lr, dense or sparse c4 attention, the weighted losses' gradient
+    clipped, AdamW, the routing biases balanced. Returns the losses and the gradient norm; raises FloatingPointError
+    (before updating anything) when the norm is not finite."""
+    for group in optimizer.param_groups:
+        group["lr"] = recipe.lr_at(step)
+    dense_warmup(model, step < recipe.dense_warmup_steps)
+    with routing_loads(model) as loads:
+        parts = losses(model, rows, device)
+    total = (parts["lm"] + recipe.prompt_weight * parts["prompt"] + recipe.mtp_weight * parts["mtp"]
+             + recipe.indexer_weight * parts["indexer"])  # fmt: skip
+    optimizer.zero_grad(set_to_none=True)
+    total.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
+    # One read back from the device a step, not one per figure.
+    measured = dict(zip(["grad_norm", *parts], torch.stack([grad_norm, *parts.values()]).tolist(), strict=True))
+    if not math.isfinite(measured["grad_norm"]):
+        raise FloatingPointError(f"step {step}: the gradient norm is {measured['grad_norm']} (losses {measured})")
+    optimizer.step()
+    balance_routing(loads, recipe.bias_update)
+    return measured
 
 
 def earlier_curve(recipe: Recipe) -> list[dict]:
