@@ -80,6 +80,8 @@ THINKING_FRACTION = 0.7
 DEFAULT_MAX_TOKENS = 4096
 # The Tools section alone is ~500 tokens of the tiny tokenizer; below this a tool sample cannot fit.
 MIN_MAX_TOKENS = 1024
+# Draws of a sample before its task is taken not to fit max_tokens.
+MAX_REDRAWS = 100
 RETRIEVAL_MIN_TOKENS = 256
 # Training haystacks start this short: the needle then often lies inside the sliding window, where the lookup and the
 # copy are learnt cheaply before they must go through the c4 rows.
@@ -751,17 +753,22 @@ def _drawn(job: tuple[str, int]) -> Sample:
 
 
 def _sample(sample_id: str, task: str, rng: random.Random, bank: Bank, config: Config, tokenizer: Tokenizer) -> Sample:
-    thinking = rng.random() < config.thinking_fraction
-    built = BUILDERS[task](_Draw(rng, bank, config, tokenizer, thinking))
-    answer = built.answer
-    prompt = render(built.messages, built.tools, thinking)
-    full = render([*built.messages, answer], built.tools, thinking)
-    if not full.startswith(prompt):
-        raise AssertionError(f"{sample_id}: the conversation with its answer does not extend the prompt")
-    completion = full[len(prompt) :]
-    prompt_tokens, completion_tokens = len(tokenizer.encode(prompt)), len(tokenizer.encode(completion))
-    if prompt_tokens + completion_tokens > config.max_tokens:
-        raise AssertionError(f"{sample_id}: {prompt_tokens + completion_tokens} tokens exceed {config.max_tokens}")
+    """The sample drawn from `rng`; one over max_tokens (a tool sample offers up to three tools of made-up names: up
+    to ~3,900 tokens) is drawn again, from where the rng has come to."""
+    for _ in range(MAX_REDRAWS):
+        thinking = rng.random() < config.thinking_fraction
+        built = BUILDERS[task](_Draw(rng, bank, config, tokenizer, thinking))
+        answer = built.answer
+        prompt = render(built.messages, built.tools, thinking)
+        full = render([*built.messages, answer], built.tools, thinking)
+        if not full.startswith(prompt):
+            raise AssertionError(f"{sample_id}: the conversation with its answer does not extend the prompt")
+        completion = full[len(prompt) :]
+        prompt_tokens, completion_tokens = len(tokenizer.encode(prompt)), len(tokenizer.encode(completion))
+        if prompt_tokens + completion_tokens <= config.max_tokens:
+            break
+    else:
+        raise ValueError(f"{sample_id}: no {task} sample within max_tokens={config.max_tokens} in {MAX_REDRAWS} draws")
     return Sample(
         id=sample_id,
         split=bank.split,

@@ -21,6 +21,7 @@ from engine.server.protocol import Limits, parse_chat
 from engine.tools import demo_data
 from engine.tools.demo_data import (
     EVAL,
+    MIN_MAX_TOKENS,
     TASKS,
     TRAIN,
     Config,
@@ -366,6 +367,13 @@ def test_retrieval_prompts_reach_the_length_with_the_code_at_its_depth(tokenizer
 def test_config_refuses_a_context_a_tool_sample_cannot_fit():
     with pytest.raises(ValueError, match="max_tokens"):
         Config(max_tokens=512)
+
+
+def test_a_tool_sample_over_the_context_is_drawn_again_to_fit(tokenizer):
+    """Three tools of made-up names reach ~3,900 tokens; at the smallest context they are drawn again, not refused."""
+    config = Config(seed=11, max_tokens=MIN_MAX_TOKENS)
+    samples = demo_data.generate("train", {"tool_call": 60, "tool_result": 60}, config, tokenizer)
+    assert len(samples) == 120 and max(s.prompt_tokens + s.completion_tokens for s in samples) <= MIN_MAX_TOKENS
 
 
 def test_the_cli_writes_train_and_eval_jsonl(tmp_path):
