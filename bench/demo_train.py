@@ -1,0 +1,149 @@
+"""`python bench/demo_train.py [--steps N] [--out DIR] [--smoke]`: where a demo-model training step's time goes
+(issue 31). A session's device minutes bound the demo model's tokens (run 6: 25.7M, about 3 a parameter, still
+undertrained), so this measures train_demo's own step (`train_step`) on its own packed rows, with the c4 layers dense
+(the warm-up) and sparse: seconds and tokens a step, tok/s, and from one profiled step the device's busy share (its
+kernels' time over the step's wall time: a small share means the host, launching, is the limit), the kernels
+launched and the ops that take the most device and host time. Results: DIR/demo-train.json and .md, with GPU,
+commit and date. `--smoke`: the tiny model on a few hundred tokens, on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.provenance import provenance  # noqa: E402
+from engine.tools import demo_data  # noqa: E402
+from engine.tools.make_tiny import TINY_CONFIG  # noqa: E402
+from engine.tools.train_demo import (  # noqa: E402
+    Recipe,
+    batches,
+    examples,
+    initial_model,
+    optimizer_for,
+    torch_references,
+    train_step,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WARMUP_STEPS = 2
+TOP_OPS = 12
+
+
+def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = True  # as train_demo trains
+    tokenizer = demo_data.default_tokenizer()
+    config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
+    items = examples(demo_data.generate("train", demo_data.mix_counts(samples), config, tokenizer), tokenizer)
+    model = initial_model(recipe, device)
+    optimizer = optimizer_for(model, recipe)
+    rows_of = batches(items, recipe.tokens_per_step, recipe.max_tokens, recipe.seed)
+    phases = {}
+    for phase, step in (("dense", 0), ("sparse", recipe.dense_warmup_steps)):
+        for _ in range(WARMUP_STEPS):
+            train_step(model, optimizer, next(rows_of), recipe, step, device)
+        timed = [next(rows_of) for _ in range(steps)]
+        _sync(device)
+        started = time.perf_counter()
+        for rows in timed:
+            train_step(model, optimizer, rows, recipe, step, device)
+        _sync(device)
+        seconds = (time.perf_counter() - started) / steps
+        tokens = sum(len(e.ids) for rows in timed for row in rows for e in row) / steps
+        phases[phase] = {"s_per_step": round(seconds, 4), "tokens_per_step": round(tokens),
+                         "rows_per_step": round(sum(len(rows) for rows in timed) / steps, 1),
+                         "tok_s": round(tokens / seconds), **profiled(model, optimizer, next(rows_of), recipe, step,
+                                                                      device)}  # fmt: skip
+    return phases
+
+
+def profiled(model, optimizer, rows, recipe: Recipe, step: int, device: torch.device) -> dict:
+    """One step under torch.profiler: the device's busy share, the kernels launched, the top ops by device and host
+    time (self time, ms)."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        train_step(model, optimizer, rows, recipe, step, device)
+        _sync(device)
+    wall = time.perf_counter() - started
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_s = sum(e.self_device_time_total for e in events) / 1e6 if cuda else None
+    by = (
+        lambda attr: [  # noqa: E731
+            {"op": e.key, "ms": round(getattr(e, attr) / 1e3, 2), "calls": e.count}
+            for e in sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP_OPS]
+        ]
+    )
+    return {
+        "profiled_wall_s": round(wall, 4),
+        "device_busy_share": round(device_s / wall, 3) if cuda else None,
+        "kernels_launched": len(kernels) if cuda else None,
+        "host_ops": sum(e.count for e in events),
+        "top_device_ops": by("self_device_time_total") if cuda else [],
+        "top_host_ops": by("self_cpu_time_total"),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Demo-model training step: where the time goes (issue 31)",
+        "",
+        f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}. "
+        "`python bench/demo_train.py`: train_demo's `train_step` on its packed rows "
+        f"({result['recipe']['tokens_per_step']:,} tokens a step at most, rows of {result['recipe']['max_tokens']:,}).",
+        "",
+        "| c4 attention | s/step | tokens/step | rows/step | tok/s | device busy | kernels/step | host ops/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for phase, p in result["phases"].items():
+        busy = "—" if p["device_busy_share"] is None else f"{p['device_busy_share']:.2f}"
+        lines.append(f"| {phase} | {p['s_per_step']} | {p['tokens_per_step']:,} | {p['rows_per_step']} | "
+                     f"{p['tok_s']:,} | {busy} | {p['kernels_launched'] or '—'} | {p['host_ops']:,} |")  # fmt: skip
+    for phase, p in result["phases"].items():
+        for kind in ("top_device_ops", "top_host_ops"):
+            if p[kind]:
+                lines += ["", f"**{phase}, {kind.replace('_', ' ')}** (self time, ms, one step):", ""]
+                lines += [f"- `{o['op'][:90]}` {o['ms']} ms × {o['calls']}" for o in p[kind]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per phase")
+    parser.add_argument("--samples", type=int, default=20_000, help="samples drawn to pack the steps from")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, a few hundred tokens a step")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    recipe = Recipe(dense_warmup_steps=1)
+    if args.smoke:
+        recipe = dataclasses.replace(recipe, max_tokens=1024, tokens_per_step=2048, config=dict(TINY_CONFIG))
+    with torch_references():
+        phases = measure(recipe, device, args.steps, args.samples)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    result = {"device": name, **provenance(), "recipe": dataclasses.asdict(recipe), "phases": phases}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "demo-train.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "demo-train.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
