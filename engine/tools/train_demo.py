@@ -8,8 +8,9 @@ How it trains, and why:
   row one request of a batch (a slot and pages of a fresh fp32 cache per step, as the runner lays them out),
   `run_layers`, `logits`, `mtp_logits`. The references' work is launched per request and per layer, so a request per
   sample (most are a few hundred tokens) made the step launch-bound; a sample sees the ones before it in its row,
-  as in packed pretraining, and each starts with BOS. A retrieval sample starts a row of its own: another haystack's
-  needle before it would make its question ambiguous (which code?); samples after it ask for no code.
+  as in packed pretraining, and each starts with BOS. A row holds at most one retrieval sample: another haystack's
+  needle before it would make its question ambiguous (which code?). A step is a number of tokens, not of rows, so
+  the rows such samples need do not shorten it.
   The plain-torch references are differentiable; Triton kernels have no backward, so it runs with
   FLASHGATE_KERNELS=torch (set here) and with the FP8/FP4 activation simulation off (its rounding has no gradient).
 - Loss: next-token cross-entropy on each sample's completion, plus the same on its prompt (`prompt_weight`: the
@@ -116,12 +117,12 @@ class Recipe:
 
 @dataclass(frozen=True)
 class Example:
-    """A sample's tokens: prompt then completion; the loss covers the completion. `leads`: packed only as the first
-    sample of a row."""
+    """A sample's tokens: prompt then completion; the loss covers the completion. `needle`: a retrieval sample (a row
+    holds at most one)."""
 
     ids: torch.Tensor
     prompt_len: int
-    leads: bool = False
+    needle: bool = False
 
 
 # Samples packed one after another into one sequence (one request of the prefill batch).
@@ -157,19 +158,17 @@ def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
 def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[Example]:
     def one(s: demo_data.Sample) -> Example:
         ids = torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion))
-        return Example(ids, s.prompt_tokens, leads=s.task == "retrieval")
+        return Example(ids, s.prompt_tokens, needle=s.task == "retrieval")
 
     with demo_data.threads() as pool:
         return list(pool.map(one, samples))
 
 
 def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, seed: int) -> Iterator[list[Row]]:
-    """Endless steps of rows: an epoch's order drawn from the seed, each sample in turn put into the first of the
-    step's rows with room for it (a row holds at most row_tokens), a new row opened while the step holds fewer than
-    tokens_per_step // row_tokens, else the step is done and the sample starts the next. A `leads` sample always opens
-    a row (others may follow it there)."""
+    """Endless steps of at most tokens_per_step tokens (a longer sample is a step of its own): an epoch's order drawn
+    from the seed, each sample in turn put into the first of the step's rows with room for it (a row holds at most
+    row_tokens, and at most one sample with a `needle`), else into a new row."""
     rng = random.Random(f"{seed}/batches")
-    most_rows = max(1, tokens_per_step // row_tokens)
     while True:
         order = list(items)
         rng.shuffle(order)
@@ -177,10 +176,11 @@ def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, see
         held: list[int] = []
         for item in order:
             n = len(item.ids)
-            room = None if item.leads else next((r for r, h in enumerate(held) if h + n <= row_tokens), None)
-            if room is None and len(rows) == most_rows:
+            if rows and sum(held) + n > tokens_per_step:
                 yield [tuple(row) for row in rows]
                 rows, held = [], []
+            fits = (r for r, h in enumerate(held) if h + n <= row_tokens and not (item.needle and _has_needle(rows[r])))
+            room = next(fits, None)
             if room is None:
                 rows.append([])
                 held.append(0)
@@ -189,6 +189,10 @@ def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, see
             held[room] += n
         if rows:
             yield [tuple(row) for row in rows]
+
+
+def _has_needle(row: list[Example]) -> bool:
+    return any(e.needle for e in row)
 
 
 def forward_batch(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> ForwardBatch:
