@@ -80,12 +80,11 @@ def profiled(model, optimizer, rows, recipe: Recipe, step: int, device: torch.de
     events = prof.key_averages()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     device_s = sum(e.self_device_time_total for e in events) / 1e6 if cuda else None
-    by = (
-        lambda attr: [  # noqa: E731
-            {"op": e.key, "ms": round(getattr(e, attr) / 1e3, 2), "calls": e.count}
-            for e in sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP_OPS]
-        ]
-    )
+
+    def by(attr: str) -> list[dict]:
+        top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP_OPS]
+        return [{"op": e.key, "ms": round(getattr(e, attr) / 1e3, 2), "calls": e.count} for e in top]
+
     return {
         "profiled_wall_s": round(wall, 4),
         "device_busy_share": round(device_s / wall, 3) if cuda else None,

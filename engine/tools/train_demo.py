@@ -412,8 +412,8 @@ def train_step(model: DeepseekV4, optimizer: torch.optim.AdamW, rows: Sequence[R
 def earlier_curve(recipe: Recipe) -> list[dict]:
     """A resumed run's curve begins with the steps before its first one, from the checkpoint's own train_log.json
     (their `tokens` count on): the run that spans calls is recorded whole."""
-    earlier = Path(recipe.init) / "train_log.json"
-    if not recipe.init or not earlier.is_file():
+    earlier = Path(recipe.init) / "train_log.json" if recipe.init else None
+    if earlier is None or not earlier.is_file():
         return []
     return [c for c in json.loads(earlier.read_text())["curve"] if c["step"] < recipe.first_step]
 
