@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from app.engine_control.slot import IN_FLIGHT
+from app.telemetry import prometheus
 from tests.api.hostile import (
     BODIES,
     CHAT,
@@ -245,17 +247,25 @@ def test_the_route_holds_no_more_agent_requests_than_production_admits(console, 
     approve(console.data_dir, narrow)
     assert console.switched(console.switch(narrow))["status"] == "committed"
     long = {"model": ALIAS, "prompt": "Hold on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    engine = httpx.Client(base_url=console.engine_url, timeout=10)
+
+    def in_flight() -> int:
+        samples = prometheus.parse(engine.get("/metrics").text)
+        return sum(int(prometheus.total(samples, name) or 0) for name in IN_FLIGHT)
+
     for _ in range(10):
+        # The production watch sends its canary (every 0.5 s here) only to an idle engine, and a dropped request
+        # leaves the engine a moment after its client: start from an idle engine, and send the second only once the
+        # engine holds the first alone (a canary that came in with the first has answered its 16 tokens).
+        wait_until(lambda: in_flight() == 0, "the engine idle", 60)
         with ExitStack() as held:
             first = held.enter_context(agent.stream("POST", COMPLETIONS, json=long))
+            assert first.status_code == 200, first.read()
+            wait_until(lambda: in_flight() == 1, "the engine holding the first request alone", 60)
             second = held.enter_context(agent.stream("POST", COMPLETIONS, json=long))
-            if any(r.status_code == 429 and b"queue_full" in r.read() for r in (first, second)):
-                # The production watch's canary (every 0.5 s here on an idle engine) held one of the engine's two
-                # places a moment, or the last attempt's dropped request had not left it yet: let both leave, retry.
-                held.close()
-                time.sleep(1)
-                continue
-            assert (first.status_code, second.status_code) == (200, 200), second.read()
+            if second.status_code == 429 and b"queue_full" in second.read():
+                continue  # a canary came in between the count and the second request: let both leave, retry
+            assert second.status_code == 200, second.read()
             third = agent.post(COMPLETIONS, json=long | {"stream": False})
             assert third.status_code == 429, third.text
             error = third.json()["error"]
@@ -263,7 +273,7 @@ def test_the_route_holds_no_more_agent_requests_than_production_admits(console, 
             assert third.headers["retry-after"] == "1"
             break
     else:
-        pytest.fail("the engine refused the second held request ten times")
+        pytest.fail("a canary came in with the second held request ten times")
     # Both clients went away: their requests leave the route's count (and the engine), so it admits again.
     short = long | {"stream": False, "max_tokens": 1}
     wait_until(lambda: agent.post(COMPLETIONS, json=short).status_code == 200, "the route admits again", 30)
