@@ -1,10 +1,12 @@
-"""`python bench/demo_train.py [--steps N] [--out DIR] [--smoke]`: where a demo-model training step's time goes
-(issue 31). A session's device minutes bound the demo model's tokens (run 6: 25.7M, about 3 a parameter, still
-undertrained), so this measures train_demo's own step (`train_step`) on its own packed rows, with the c4 layers dense
-(the warm-up) and sparse: seconds and tokens a step, tok/s, and from one profiled step the device's busy share (its
-kernels' time over the step's wall time: a small share means the host, launching, is the limit), the kernels
-launched and the ops that take the most device and host time. Results: DIR/demo-train.json and .md, with GPU,
-commit and date. `--smoke`: the tiny model on a few hundred tokens, on the CPU.
+"""`python bench/demo_train.py [--steps N] [--replicas 1,2,4] [--held-out PATH] [--out DIR] [--smoke]`: where a
+demo-model training step's time goes (issue 31). A session's device minutes bound the demo model's tokens (run 6:
+25.7M, about 3 a parameter, still undertrained), so this measures train_demo's own step (`train_step`) on its own
+packed rows, with the c4 layers dense (the warm-up) and sparse: seconds and tokens a step, tok/s, and from one
+profiled step the device's busy share (its kernels' time over the step's wall time: a small share means the host,
+launching, is the limit), the kernels launched and the ops that take the most device and host time. Then whole
+training runs (`train`, sparse) in 1, 2, 4 … replicas (`Replicas`: processes sharing the GPU, each launching its
+share of a step's rows): tok/s after the first steps, and its ratio to one replica's. Results: DIR/demo-train.json
+and .md, with GPU, commit and date. `--smoke`: the tiny model on a few hundred tokens, on the CPU.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+# torch.cuda.is_available() through NVML, which leaves CUDA uninitialised: replicas are forked after it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,6 +38,7 @@ from engine.tools.train_demo import (  # noqa: E402
     initial_model,
     optimizer_for,
     torch_references,
+    train,
     train_step,
 )
 
@@ -64,6 +72,27 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
                          "tok_s": round(tokens / seconds), **profiled(model, optimizer, next(rows_of), recipe, step,
                                                                       device)}  # fmt: skip
     return phases
+
+
+def scaling(recipe: Recipe, device: torch.device, counts: list[int], steps: int, samples: int,
+            held_out: Path) -> list[dict]:  # fmt: skip
+    """tok/s of whole training runs in each number of replicas, over the steps after the first WARMUP_STEPS (the
+    start's sample drawing and compiling left out), and its ratio to one replica's."""
+    run = dataclasses.replace(recipe, train_samples=samples, steps=WARMUP_STEPS + steps, warmup_steps=1,
+                              dense_warmup_steps=0)  # fmt: skip
+    rates = {}
+    with tempfile.TemporaryDirectory() as work:
+        # One replica trains in this process, touching its GPU, after which no replica could be forked: it goes last.
+        for count in sorted(counts, reverse=True):
+            out = Path(work) / str(count)
+            train(run, out, device, held_out, replicas=count)
+            curve = json.loads((out / "train_log.json").read_text())["curve"]
+            first, last = curve[WARMUP_STEPS - 1], curve[-1]
+            seconds = last["tokens"] / last["tok_s"] - first["tokens"] / first["tok_s"]
+            rates[count] = (last["tokens"] - first["tokens"]) / seconds
+    one = rates.get(1)
+    return [{"replicas": n, "tok_s": round(rates[n]), "vs_one": round(rates[n] / one, 2) if one else None}
+            for n in sorted(rates)]  # fmt: skip
 
 
 def profiled(model, optimizer, rows, recipe: Recipe, step: int, device: torch.device) -> dict:
@@ -115,6 +144,9 @@ def markdown(result: dict) -> str:
         busy = "—" if p["device_busy_share"] is None else f"{p['device_busy_share']:.2f}"
         lines.append(f"| {phase} | {p['s_per_step']} | {p['tokens_per_step']:,} | {p['rows_per_step']} | "
                      f"{p['tok_s']:,} | {busy} | {p['kernels_launched'] or '—'} | {p['host_ops']:,} |")  # fmt: skip
+    lines += ["", f"Whole runs (`train`, sparse c4), {result['scaling_steps']} steps after {WARMUP_STEPS}:", "",
+              "| replicas | tok/s | ÷ one replica |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['replicas']} | {r['tok_s']:,} | {r['vs_one'] or '—'} |" for r in result["scaling"]]
     for phase, p in result["phases"].items():
         for kind in ("top_device_ops", "top_host_ops"):
             if p[kind]:
@@ -127,6 +159,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per phase")
     parser.add_argument("--samples", type=int, default=20_000, help="samples drawn to pack the steps from")
+    parser.add_argument("--replicas", default="1,2,4,8", help="replica counts of the whole runs, comma-separated")
+    parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, a few hundred tokens a step")
     args = parser.parse_args()
@@ -134,10 +168,13 @@ def main() -> None:
     recipe = Recipe(dense_warmup_steps=1)
     if args.smoke:
         recipe = dataclasses.replace(recipe, max_tokens=1024, tokens_per_step=2048, config=dict(TINY_CONFIG))
+    counts = [int(n) for n in args.replicas.split(",")]
+    runs = scaling(recipe, device, counts, args.steps, args.samples, args.held_out)  # before this process uses CUDA
     with torch_references():
         phases = measure(recipe, device, args.steps, args.samples)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    result = {"device": name, **provenance(), "recipe": dataclasses.asdict(recipe), "phases": phases}
+    result = {"device": name, **provenance(), "recipe": dataclasses.asdict(recipe), "phases": phases,
+              "scaling_steps": args.steps, "scaling": runs}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo-train.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "demo-train.md").write_text(markdown(result))

@@ -21,6 +21,9 @@ How it trains, and why:
   c4 rows learn the main attention's distribution over the same rows (KL, the target detached; `indexer_weight`).
 - Score-routed MoE layers balance their experts without an auxiliary loss, as V3/V4 do: after each step every
   expert's routing bias moves by `bias_update` towards the mean load (up when under-loaded).
+- `--replicas N`: N processes train side by side (`Replicas`), each on a share of every step's rows, their gradients
+  summed: the references launch one small kernel after another from the host, so one process leaves a GPU mostly
+  idle. A step is the same step whatever N (each loss a mean over the whole step's targets).
 - AdamW with warm-up and cosine decay, gradient clipping; seeded data, initial weights and batch order. The loss
   curve (`train_log.json`), the recipe and the checkpoint (bf16, ≤ 20 MB) go to --out; evaluation
   (`evaluate`) serves the written checkpoint through the engine and scores each held-out task with demo_data.score.
@@ -32,10 +35,14 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
 import random
+import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +79,9 @@ DEMO_CONFIG = TINY_CONFIG | {
     "max_position_embeddings": 4096,
 }
 MAX_CHECKPOINT_BYTES = 20_000_000
+LOSSES = ("lm", "prompt", "mtp", "indexer")
+# How long a replica waits for the others at a step's sum before the run fails (a replica that died or hung).
+REPLICA_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -275,8 +285,11 @@ def balance_routing(loads: dict[Gate, torch.Tensor], rate: float) -> None:
         gate.bias.add_(rate * torch.sign(load.mean() - load))
 
 
-def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> dict[str, torch.Tensor]:
-    """The step's four losses on `rows` (see the module's docstring)."""
+def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device,
+           step_rows: Sequence[Row] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The step's four losses on `rows` (see the module's docstring), each a mean over its targets in `step_rows`
+    (`rows` by default): the losses of replicas' shares of a step (`Replicas`) add up to the step's."""
+    counts = target_counts(step_rows if step_rows is not None else rows, indexed_layers(model))
     batch = forward_batch(model, rows, device)
     items = [e for row in rows for e in row]
     kls: list[torch.Tensor] = []
@@ -288,11 +301,32 @@ def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> dict
         mtp_target = torch.tensor([t for e in items for t in _target(e, 2)], device=device)
         prompt_target = torch.tensor([t for e in items for t in _prompt_target(e)], device=device)
         logits = model.logits(streams)
-        lm = F.cross_entropy(logits, lm_target, ignore_index=-100)
-        prompt = F.cross_entropy(logits, prompt_target, ignore_index=-100)
-        mtp = F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100)
-    indexer = torch.stack(kls).mean() if kls else streams.new_zeros(())
-    return {"lm": lm, "prompt": prompt, "mtp": mtp, "indexer": indexer}
+        lm = F.cross_entropy(logits, lm_target, ignore_index=-100, reduction="sum")
+        prompt = F.cross_entropy(logits, prompt_target, ignore_index=-100, reduction="sum")
+        mtp = F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100,
+                              reduction="sum")  # fmt: skip
+    indexer = torch.stack(kls).sum() if kls else streams.new_zeros(())
+    sums = dict(zip(LOSSES, (lm, prompt, mtp, indexer), strict=True))
+    return {name: total / max(1, counts[name]) for name, total in sums.items()}
+
+
+def indexed_layers(model: DeepseekV4) -> int:
+    """The layers with a lightning indexer (c4): each adds one distillation loss a row."""
+    return sum(1 for m in model.modules() if isinstance(m, Attention) and m.indexer is not None)
+
+
+def target_counts(rows: Sequence[Row], indexed: int) -> dict[str, int]:
+    """How many targets each loss has in `rows` (the -100s of `_target` and `_prompt_target` left out), and the
+    indexer's distillation losses: one a row and indexed layer."""
+    items = [e for row in rows for e in row]
+
+    def ahead(e: Example, k: int) -> int:
+        start = min(len(e.ids), max(0, e.prompt_len - k))
+        return max(0, len(e.ids) - start - k)
+
+    return {"lm": sum(ahead(e, 1) for e in items), "mtp": sum(ahead(e, 2) for e in items),
+            "prompt": sum(max(0, min(e.prompt_len, len(e.ids)) - 1) for e in items),
+            "indexer": indexed * len(rows)}  # fmt: skip
 
 
 def _prompt_target(e: Example) -> list[int]:
@@ -311,13 +345,117 @@ def _target(e: Example, ahead: int) -> list[int]:
     return [-100] * start + body + [-100] * (len(ids) - start - len(body))
 
 
-def train(recipe: Recipe, out: Path, device: torch.device, held_out: Path = demo_data.QUALIFICATION_MD,
-          stop_after_s: float = 0.0) -> DeepseekV4:  # fmt: skip
+class Replicas:
+    """Data parallelism within one host: `count` processes forked from the trainer, each with the same model on its
+    device (a host's GPUs in turn: all on one GPU when it has one) and a share of every step's rows. The demo model's
+    step is a long series of small kernels that the host launches one after another, leaving the GPU mostly idle;
+    replicas launch theirs side by side. A step's gradients, losses and routing loads are summed through shared
+    memory, each element by one replica for all, in replica order: the sums are bit-identical everywhere, so the
+    replicas' optimizer steps keep them identical. The trainer itself touches no GPU (a forked process cannot use its
+    parent's CUDA), so it can run one training after another. A replica that fails stops the others at their next
+    sum, and the trainer raises with its error. `Replicas()` is the one process, the trainer's own."""
+
+    def __init__(self, count: int = 1, floats: int = 0, timeout_s: float = REPLICA_TIMEOUT_S):
+        if count < 1:
+            raise ValueError(f"replicas must be at least 1, not {count}")
+        self.count, self.index, self.timeout_s = count, 0, timeout_s
+        if count > 1:
+            self._context = multiprocessing.get_context("fork")
+            self._slots = torch.zeros(count, floats).share_memory_()  # each replica's figures to add
+            self._total = torch.zeros(floats).share_memory_()  # their sum
+            self._barrier = self._context.Barrier(count, timeout=timeout_s)
+            self._errors = self._context.SimpleQueue()
+
+    def run(self, replica: Callable[[], None]) -> None:
+        """`replica()` in every replica: here when there is one, else in `count` forked processes, waited for."""
+        if self.count == 1:
+            replica()
+            return
+        processes = [self._context.Process(target=self._forked, args=(i, replica), daemon=True)
+                     for i in range(self.count)]  # fmt: skip
+        for process in processes:
+            process.start()
+        try:
+            self._wait(processes)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        if not self._errors.empty():
+            index, error = self._errors.get()
+            raise RuntimeError(f"replica {index} of {self.count} failed: {error}")
+        failed = {i: process.exitcode for i, process in enumerate(processes) if process.exitcode}
+        if failed:
+            raise RuntimeError(f"replicas ended without finishing (replica: exit code): {failed}")
+
+    def _wait(self, processes: list[multiprocessing.Process]) -> None:
+        """Until every replica has ended, or, once one has failed, the others have had the timeout to end."""
+        deadline = None
+        while any(process.is_alive() for process in processes):
+            if deadline is None and any(process.exitcode for process in processes):
+                deadline = time.monotonic() + self.timeout_s
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()], timeout=1.0)
+
+    def _forked(self, index: int, replica: Callable[[], None]) -> None:
+        self.index = index
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.count))
+        try:
+            replica()
+        except threading.BrokenBarrierError:  # another replica failed (its error is the one reported) or hung
+            sys.exit(1)
+        except BaseException as error:
+            self._errors.put((index, f"{type(error).__name__}: {error}"))
+            self._barrier.abort()
+            raise
+
+    def device(self, device: torch.device) -> torch.device:
+        """This replica's device: a host's GPUs taken in turn."""
+        if device.type != "cuda" or device.index is not None or torch.cuda.device_count() < 2:
+            return device
+        return torch.device("cuda", self.index % torch.cuda.device_count())
+
+    def share(self, rows: Sequence[Row]) -> list[Row]:
+        """This replica's rows of a step: dealt longest first, so that shares hold as many rows and about as many
+        tokens (a row's work is mostly its launches, then its tokens)."""
+        if self.count == 1:
+            return list(rows)
+        longest_first = sorted(range(len(rows)), key=lambda i: -sum(len(e.ids) for e in rows[i]))
+        return [rows[i] for i in sorted(longest_first[self.index :: self.count])]
+
+    def sum(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Each of `tensors` (fp32, on any device) replaced by its sum over the replicas, in place."""
+        if self.count == 1:
+            return
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).float()
+        n = len(flat)
+        self._slots[self.index, :n].copy_(flat)
+        self._barrier.wait()
+        lo, hi = n * self.index // self.count, n * (self.index + 1) // self.count
+        torch.sum(self._slots[:, lo:hi], dim=0, out=self._total[lo:hi])
+        self._barrier.wait()
+        flat.copy_(self._total[:n])
+        self._barrier.wait()  # every replica has read this sum before any writes the next one's figures
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(part.view_as(t))
+
+    def any(self, flag: bool) -> bool:
+        """Whether any replica says so: a decision (stop now) they all take at the same step."""
+        box = torch.tensor([float(flag)])
+        self.sum([box])
+        return bool(box.item())
+
+
+def train(recipe: Recipe, out: Path, device: torch.device | None = None, held_out: Path = demo_data.QUALIFICATION_MD,
+          stop_after_s: float = 0.0, replicas: int = 1) -> None:  # fmt: skip
     """Train as the recipe says, on samples that share no 8-token run with the gates' texts in `held_out`
-    (qualification.md); the loss curve and the checkpoint go to `out`. With `stop_after_s`, the run ends after the
-    first step past that many seconds of training, its checkpoint written: the next call goes on from it."""
+    (qualification.md), in `replicas` processes (`Replicas`) on `device` (None: a GPU if there is one); the loss
+    curve and the checkpoint go to `out`. With `stop_after_s`, the run ends after the first step past that many
+    seconds of training, its checkpoint written: the next call goes on from it."""
     with torch_references():
-        return _train(recipe, out, device, held_out, stop_after_s)
+        _train(recipe, out, device, held_out, stop_after_s, replicas)
 
 
 @contextmanager
@@ -334,7 +472,8 @@ def torch_references() -> Iterator[None]:
             os.environ["FLASHGATE_KERNELS"] = before
 
 
-def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop_after_s: float) -> DeepseekV4:
+def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Path, stop_after_s: float,
+           count: int) -> None:  # fmt: skip
     torch.manual_seed(recipe.data_seed)
     # TF32 products in the fp32 training: the model's own bf16 checkpoint is coarser than their rounding.
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -343,30 +482,43 @@ def _train(recipe: Recipe, out: Path, device: torch.device, held_out: Path, stop
     samples = demo_data.generate("train", demo_data.mix_counts(recipe.train_samples), config, tokenizer)
     samples = demo_data.without_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
     train_items = examples(samples, tokenizer)
-    model = initial_model(recipe, device)
-    optimizer = optimizer_for(model, recipe)
-    curve = earlier_curve(recipe)
-    started, tokens, spent = time.perf_counter(), 0, curve[-1]["tokens"] if curve else 0
-    steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.data_seed)  # endless
-    for step, rows in zip(range(recipe.first_step, recipe.steps), steps, strict=False):
-        try:
-            measured = train_step(model, optimizer, rows, recipe, step, device)
-        except FloatingPointError:  # stop with the curve so far rather than train on NaN
-            _write_log(out, recipe, curve, device)
-            raise
-        tokens += sum(len(e.ids) for row in rows for e in row)
-        record = {"step": step, "lr": recipe.lr_at(step), **{k: round(v, 4) for k, v in measured.items()},
-                  "tokens": spent + tokens, "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip
-        curve.append(record)
-        if step % 10 == 0 or step == recipe.steps - 1:
-            log.info("train_step", **record)
-        if stop_after_s and time.perf_counter() - started > stop_after_s:
-            log.info("train_stopped", step=step, after_s=round(time.perf_counter() - started), steps=recipe.steps)
-            break
-    dense_warmup(model, False)
-    _write_log(out, recipe, curve, device)
-    save(model, recipe, out)
-    return model
+    # Made on the CPU, before any replica is forked: every replica starts from these same weights.
+    model = initial_model(recipe, torch.device("cpu"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    gates = sum(m.weight.shape[0] for m in model.modules() if isinstance(m, Gate) and m.bias is not None)
+    replicas = Replicas(count, floats=trainable + len(LOSSES) + gates)
+
+    def replica() -> None:
+        here = replicas.device(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        model.to(here)
+        optimizer = optimizer_for(model, recipe)
+        curve = earlier_curve(recipe)
+        started, tokens, spent = time.perf_counter(), 0, curve[-1]["tokens"] if curve else 0
+        steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.data_seed)  # endless
+        for step, rows in zip(range(recipe.first_step, recipe.steps), steps, strict=False):
+            try:
+                measured = train_step(model, optimizer, rows, recipe, step, here, replicas)
+            except FloatingPointError:  # stop with the curve so far rather than train on NaN
+                if replicas.index == 0:
+                    _write_log(out, recipe, curve, here, count)
+                raise
+            tokens += sum(len(e.ids) for row in rows for e in row)
+            record = {"step": step, "lr": recipe.lr_at(step), **{k: round(v, 4) for k, v in measured.items()},
+                      "tokens": spent + tokens, "tok_s": round(tokens / (time.perf_counter() - started))}  # fmt: skip
+            curve.append(record)
+            if replicas.index == 0 and (step % 10 == 0 or step == recipe.steps - 1):
+                log.info("train_step", **record)
+            if replicas.any(bool(stop_after_s) and time.perf_counter() - started > stop_after_s):
+                if replicas.index == 0:
+                    log.info("train_stopped", step=step, after_s=round(time.perf_counter() - started),
+                             steps=recipe.steps)  # fmt: skip
+                break
+        if replicas.index == 0:
+            dense_warmup(model, False)
+            _write_log(out, recipe, curve, here, count)
+            save(model, recipe, out)
+
+    replicas.run(replica)
 
 
 def optimizer_for(model: DeepseekV4, recipe: Recipe) -> torch.optim.AdamW:
@@ -384,28 +536,41 @@ def dense_warmup(model: DeepseekV4, on: bool) -> None:
             attn.dense_warmup = on
 
 
-def train_step(model: DeepseekV4, optimizer: torch.optim.AdamW, rows: Sequence[Row], recipe: Recipe, step: int,
-               device: torch.device) -> dict[str, float]:  # fmt: skip
+def train_step(model: DeepseekV4, optimizer: torch.optim.Optimizer, rows: Sequence[Row], recipe: Recipe, step: int,
+               device: torch.device, replicas: Replicas | None = None) -> dict[str, float]:  # fmt: skip
     """Step `step` of the schedule on `rows`: its lr, dense or sparse c4 attention, the weighted losses' gradient
-    clipped, AdamW, the routing biases balanced. Returns the losses and the gradient norm; raises FloatingPointError
-    (before updating anything) when the norm is not finite."""
+    clipped, the optimizer's step, the routing biases balanced. With `replicas`, this process computes its share of
+    the rows and the step goes on from the sum of every replica's gradients, losses and routing loads. Returns the
+    losses and the gradient norm; raises FloatingPointError (before updating anything) when the norm is not
+    finite."""
+    replicas = replicas or Replicas()
     for group in optimizer.param_groups:
         group["lr"] = recipe.lr_at(step)
     dense_warmup(model, step < recipe.dense_warmup_steps)
-    with routing_loads(model) as loads:
-        parts = losses(model, rows, device)
-    total = (parts["lm"] + recipe.prompt_weight * parts["prompt"] + recipe.mtp_weight * parts["mtp"]
-             + recipe.indexer_weight * parts["indexer"])  # fmt: skip
-    optimizer.zero_grad(set_to_none=True)
-    total.backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    gates = [m for m in model.modules() if isinstance(m, Gate) and m.bias is not None]
+    optimizer.zero_grad(set_to_none=True)
+    mine = replicas.share(rows)
+    with routing_loads(model) as loads:
+        parts = losses(model, mine, device, rows) if mine else dict.fromkeys(LOSSES, torch.zeros((), device=device))
+    if mine:
+        total = (parts["lm"] + recipe.prompt_weight * parts["prompt"] + recipe.mtp_weight * parts["mtp"]
+                 + recipe.indexer_weight * parts["indexer"])  # fmt: skip
+        total.backward()
+    for p in params:  # a replica with no rows, or a tensor its rows did not reach, adds zeros
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    figures = torch.stack([parts[name].detach() for name in LOSSES])
+    step_loads = [loads.get(gate, torch.zeros(gate.weight.shape[0], device=device)) for gate in gates]
+    replicas.sum([*grads, figures, *step_loads])
     grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
     # One read back from the device a step, not one per figure.
-    measured = dict(zip(["grad_norm", *parts], torch.stack([grad_norm, *parts.values()]).tolist(), strict=True))
+    measured = dict(zip(["grad_norm", *LOSSES], torch.cat([grad_norm[None], figures]).tolist(), strict=True))
     if not math.isfinite(measured["grad_norm"]):
         raise FloatingPointError(f"step {step}: the gradient norm is {measured['grad_norm']} (losses {measured})")
     optimizer.step()
-    balance_routing(loads, recipe.bias_update)
+    balance_routing(dict(zip(gates, step_loads, strict=True)), recipe.bias_update)
     return measured
 
 
@@ -418,10 +583,11 @@ def earlier_curve(recipe: Recipe) -> list[dict]:
     return [c for c in json.loads(earlier.read_text())["curve"] if c["step"] < recipe.first_step]
 
 
-def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.device) -> None:
+def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.device, replicas: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     where = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "replicas": replicas,
         "commit": os.environ.get("FLASHGATE_COMMIT", "unknown"),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
@@ -468,7 +634,9 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str,
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the checkpoint and train_log.json")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # Not torch.cuda.is_available() here: CUDA touched before the replicas are forked is unusable in them.
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: a GPU if there is one)")
+    parser.add_argument("--replicas", type=int, default=1, help="processes training side by side (Replicas)")
     parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
     parser.add_argument("--stop-after-s", type=float, default=0.0, help="end after this many seconds of training")
     parser.add_argument("--no-eval", action="store_true", help="write the checkpoint without evaluating it")
@@ -478,10 +646,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configure_logging()
     recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe) if f.name != "config"})
-    train(recipe, args.out, torch.device(args.device), args.held_out, args.stop_after_s)
+    train(recipe, args.out, args.device and torch.device(args.device), args.held_out, args.stop_after_s,
+          args.replicas)  # fmt: skip
     if args.no_eval:
         return
-    accuracy = evaluate(args.out, recipe, args.device)
+    accuracy = evaluate(args.out, recipe, args.device or "auto")
     (args.out / "eval.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "accuracy": accuracy}) + "\n")
     log.info("evaluated", **accuracy)
 

@@ -75,13 +75,17 @@ def test_the_host_ops_count_smoke_run(tmp_path):
 
 
 def test_the_demo_training_step_smoke_run(tmp_path):
-    """bench/demo_train.py on the tiny model: both c4 modes timed and profiled; the ops a step runs are counted."""
+    """bench/demo_train.py on the tiny model: both c4 modes timed and profiled; the ops a step runs are counted;
+    whole runs in one and two replicas timed."""
     done = subprocess.run([sys.executable, "bench/demo_train.py", "--smoke", "--steps", "1", "--samples", "40",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+                           "--replicas", "1,2", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "demo-train.json").read_text())
     assert set(report["phases"]) == {"dense", "sparse"} and report["commit"] and report["device"] == "CPU"
     for phase in report["phases"].values():
         assert phase["tokens_per_step"] > 0 and phase["tok_s"] > 0 and 1 <= phase["rows_per_step"] <= 2
         assert phase["host_ops"] > 1000 and len(phase["top_host_ops"]) == 12
+    assert [r["replicas"] for r in report["scaling"]] == [1, 2] and report["scaling"][0]["vs_one"] == 1
+    assert all(r["tok_s"] > 0 for r in report["scaling"])
     assert "| dense |" in (tmp_path / "demo-train.md").read_text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -16,9 +17,11 @@ from engine.model.attention import Attention
 from engine.tools import demo_data
 from engine.tools.make_tiny import TINY_CONFIG
 from engine.tools.train_demo import (
+    LOSSES,
     MAX_CHECKPOINT_BYTES,
     Example,
     Recipe,
+    Replicas,
     balance_routing,
     batches,
     evaluate,
@@ -28,6 +31,7 @@ from engine.tools.train_demo import (
     routing_loads,
     torch_references,
     train,
+    train_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -86,10 +90,11 @@ def test_a_batch_trained_on_is_fitted_and_routing_biases_move_towards_balance(it
 
 
 def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(tmp_path):
-    for run in "ab":
-        train(SMALL, tmp_path / run, CPU)
-    curves = [json.loads((tmp_path / d / "train_log.json").read_text())["curve"] for d in "ab"]
+    for run, replicas in (("a", 1), ("b", 1), ("c", 2)):
+        train(SMALL, tmp_path / run, CPU, replicas=replicas)
+    curves = [json.loads((tmp_path / d / "train_log.json").read_text())["curve"] for d in "abc"]
     assert [c["lm"] for c in curves[0]] == [c["lm"] for c in curves[1]]
+    assert [c["lm"] for c in curves[2]] == pytest.approx([c["lm"] for c in curves[0]], rel=1e-3)
     assert len(curves[0]) == SMALL.steps and curves[0][0]["tokens"] > 0
     assert (tmp_path / "a" / "model.safetensors").stat().st_size <= MAX_CHECKPOINT_BYTES
     accuracy = evaluate(tmp_path / "a", SMALL, "cpu")
@@ -99,6 +104,53 @@ def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(tmp_path):
     for task, share in accuracy.items():  # the kept verdicts are the ones counted
         verdicts = [a["ok"] for a in answers if a["task"] == task]
         assert sum(verdicts) / len(verdicts) == pytest.approx(share, abs=1e-4)
+
+
+def test_replicas_take_the_step_one_process_takes_and_stay_identical(items, tmp_path):
+    """Two replicas (forked, each a share of the rows) and three (one with no row at all) end a step with the same
+    weights as one process on all the rows, and bit-identical to each other; their losses are the step's."""
+    rows = next(batches(items, 3000, 1200, seed=1))
+    assert len(rows) == 2
+
+    def step(replicas: Replicas) -> tuple[dict[str, float], list[torch.Tensor]]:
+        model = initial_model(SMALL, CPU)
+        # SGD: its step is the gradient's, so the weights compare as closely as the summed gradients do.
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        measured = train_step(model, optimizer, rows, SMALL, 3, CPU, replicas)
+        return measured, [t.detach().clone() for t in model.state_dict().values()]
+
+    alone, weights = step(Replicas())
+    for count in (2, 3):
+        floats = sum(p.numel() for p in initial_model(SMALL, CPU).parameters()) + len(LOSSES) + 64
+        replicas = Replicas(count, floats)
+
+        def replica(replicas: Replicas = replicas, count: int = count) -> None:
+            measured, tensors = step(replicas)
+            torch.save({"measured": measured, "weights": tensors}, tmp_path / f"{count}-{replicas.index}.pt")
+
+        replicas.run(replica)
+        runs = [torch.load(tmp_path / f"{count}-{i}.pt") for i in range(count)]
+        for run in runs:
+            assert all(torch.equal(a, b) for a, b in zip(run["weights"], runs[0]["weights"], strict=True))
+            assert run["measured"] == runs[0]["measured"]
+        assert runs[0]["measured"] == pytest.approx(alone, rel=1e-5)
+        for a, b in zip(runs[0]["weights"], weights, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replica_that_fails_ends_the_run_with_its_error():
+    """The others stop at their next sum, not after the timeout; the trainer raises with the failing one's error."""
+    replicas = Replicas(3, floats=1, timeout_s=600)
+
+    def replica() -> None:
+        if replicas.index == 1:
+            raise ValueError("no rows for replica 1")
+        replicas.any(False)
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"replica 1 of 3 failed: ValueError: no rows for replica 1"):
+        replicas.run(replica)
+    assert time.monotonic() - started < 60
 
 
 def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(items):
