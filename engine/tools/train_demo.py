@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import math
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -361,8 +362,11 @@ class Replicas:
         self.count, self.index, self.timeout_s = count, 0, timeout_s
         if count > 1:
             self._context = multiprocessing.get_context("fork")
-            self._slots = torch.zeros(count, floats).share_memory_()  # each replica's figures to add
-            self._total = torch.zeros(floats).share_memory_()  # their sum
+            # Anonymous shared memory, inherited by the forked replicas (not /dev/shm, which containers keep small):
+            # each replica's figures to add, then their sum.
+            self._memory = mmap.mmap(-1, (count + 1) * max(1, floats) * 4)
+            shared = torch.frombuffer(self._memory, dtype=torch.float32).view(count + 1, max(1, floats))
+            self._slots, self._total = shared[:count], shared[count]
             self._barrier = self._context.Barrier(count, timeout=timeout_s)
             self._errors = self._context.SimpleQueue()
 
