@@ -200,11 +200,15 @@ class Attention(nn.Module):
             kv = self.rotary(self.kv_norm(kv_x), pos)
             if self.quant_sim and not (self.kv.ring.fp8 and _through_kernels(q)):  # FP8 rows: encoding rounds it
                 kv = simulate_kv_row_fp8(kv, self.rotary.rope_dim)
+            # Each tensor split once into its requests' rows, not sliced a request at a time: a split's backward (the
+            # demo model's training) is one concatenation, a slice's a zero tensor of the whole batch per request.
+            proj_rows = [[(a, b) for a, b in zip(x.split(batch.lens), y.split(batch.lens), strict=True)]
+                         for x, y in proj.values()]  # fmt: skip
+            requests = zip(batch.states, q.split(batch.lens), kv.split(batch.lens), pos.split(batch.lens), strict=True)
             parts = []
-            for i, seq in enumerate(batch.states):
-                r = batch.rows(i)
-                chunk = {k: (a[r], b[r]) for k, (a, b) in proj.items()}
-                parts.append(self._prefill(q[r], kv[r], chunk, pos[r], seq, batch, i))
+            for i, (seq, q_i, kv_i, pos_i) in enumerate(requests):
+                chunk = {k: rows[i] for k, rows in zip(proj, proj_rows, strict=True)}
+                parts.append(self._prefill(q_i, kv_i, chunk, pos_i, seq, batch, i))
                 if i in batch.snapshots_after:  # the slot as it is at the boundary, before the next row moves on
                     self.kv.copy_slots(*batch.snapshots_after[i])
             out = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -71,9 +71,6 @@ class ForwardBatch:
             made = self._per_step[key] = (layer_id, make())
         return made[1]
 
-    def rows(self, i: int) -> slice:
-        return slice(self.starts[i], self.starts[i] + self.lens[i])
-
     def row_slots(self, i: int, start: int, end: int, rows_per_page: int) -> torch.Tensor:
         """Physical slots of request i's rows [start, end) of a kind that keeps `rows_per_page` rows a page (64 c4
         rows, 2 c128 rows): row r lives in page page_table[i, r // rows_per_page]."""
