@@ -27,8 +27,9 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     rope_dim = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
-    even, odd = rope[..., 0::2], rope[..., 1::2]
+    # split and unbind, not slices: their backward is one concatenation, a slice's a zero tensor of x (training)
+    nope, rope = x.split([x.shape[-1] - rope_dim, rope_dim], dim=-1)
+    even, odd = rope.float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 

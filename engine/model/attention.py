@@ -292,7 +292,9 @@ class Attention(nn.Module):
         step = max(1, PREFILL_BUDGET // per_query)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for a in range(0, len(q), step):
-            b = slice(a, a + step)
+            # One block of all the queries takes each tensor whole (`...`, an alias to autograd): a slice's backward,
+            # even of every row, fills a zero tensor of its input, here every query's gathered window.
+            b = slice(a, a + step) if step < len(q) else ...
             parts = [(windows[b], in_window[b])]
             if sparse:
                 picked = self.indexer.select(proj["query"][0][b], proj["query"][1][b], positions[b], index_keys)
