@@ -435,13 +435,14 @@ class Replicas:
             return
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).float()
         n = len(flat)
+        # Two waits: the slots are read only between them, and the sum is written in the next call only after its
+        # first wait, which every replica reaches having read this one.
         self._slots[self.index, :n].copy_(flat)
         self._barrier.wait()
         lo, hi = n * self.index // self.count, n * (self.index + 1) // self.count
         torch.sum(self._slots[:, lo:hi], dim=0, out=self._total[lo:hi])
         self._barrier.wait()
         flat.copy_(self._total[:n])
-        self._barrier.wait()  # every replica has read this sum before any writes the next one's figures
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
             t.copy_(part.view_as(t))
 
