@@ -261,6 +261,11 @@ def indexer_kl(attn: Attention, q, index_query, positions, comp_slots, index_slo
     return kl[seeing].mean()
 
 
+def balanced_gates(model: DeepseekV4) -> list[Gate]:
+    """The score-routed gates: those with a routing bias, which the balance rule moves."""
+    return [m for m in model.modules() if isinstance(m, Gate) and m.bias is not None]
+
+
 @contextmanager
 def routing_loads(model: DeepseekV4) -> Iterator[dict[Gate, torch.Tensor]]:
     """Each score-routed gate's expert loads (tokens routed to each expert) over the forwards run while active."""
@@ -270,7 +275,7 @@ def routing_loads(model: DeepseekV4) -> Iterator[dict[Gate, torch.Tensor]]:
         ids = output[1].detach().flatten()
         loads[gate] = loads.get(gate, 0) + torch.bincount(ids, minlength=gate.weight.shape[0]).float()
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, Gate) and m.bias is not None]
+    hooks = [gate.register_forward_hook(record) for gate in balanced_gates(model)]
     try:
         yield loads
     finally:
@@ -320,12 +325,7 @@ def target_counts(rows: Sequence[Row], indexed: int) -> dict[str, int]:
     """How many targets each loss has in `rows` (the -100s of `_target` and `_prompt_target` left out), and the
     indexer's distillation losses: one a row and indexed layer."""
     items = [e for row in rows for e in row]
-
-    def ahead(e: Example, k: int) -> int:
-        start = min(len(e.ids), max(0, e.prompt_len - k))
-        return max(0, len(e.ids) - start - k)
-
-    return {"lm": sum(ahead(e, 1) for e in items), "mtp": sum(ahead(e, 2) for e in items),
+    return {"lm": sum(_completion_span(e, 1)[1] for e in items), "mtp": sum(_completion_span(e, 2)[1] for e in items),
             "prompt": sum(max(0, min(e.prompt_len, len(e.ids)) - 1) for e in items),
             "indexer": indexed * len(rows)}  # fmt: skip
 
@@ -341,9 +341,14 @@ def _target(e: Example, ahead: int) -> list[int]:
     """Token t+ahead for row t where it is a completion token, else ignored (-100). Lists, not tensor ops: a step
     has a few hundred samples."""
     ids = e.ids.tolist()
-    start = min(len(ids), max(0, e.prompt_len - ahead))
-    body = ids[start + ahead :]
-    return [-100] * start + body + [-100] * (len(ids) - start - len(body))
+    start, n = _completion_span(e, ahead)
+    return [-100] * start + ids[start + ahead :] + [-100] * (len(ids) - start - n)
+
+
+def _completion_span(e: Example, ahead: int) -> tuple[int, int]:
+    """The first row whose token `ahead` on is in the completion, and how many rows have such a target."""
+    start = min(len(e.ids), max(0, e.prompt_len - ahead))
+    return start, max(0, len(e.ids) - start - ahead)
 
 
 class Replicas:
@@ -490,7 +495,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Pat
     # Made on the CPU, before any replica is forked: every replica starts from these same weights.
     model = initial_model(recipe, torch.device("cpu"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    gates = sum(m.weight.shape[0] for m in model.modules() if isinstance(m, Gate) and m.bias is not None)
+    gates = sum(gate.weight.shape[0] for gate in balanced_gates(model))
     replicas = Replicas(count, floats=trainable + len(LOSSES) + gates)
 
     def replica() -> None:
@@ -553,7 +558,7 @@ def train_step(model: DeepseekV4, optimizer: torch.optim.Optimizer, rows: Sequen
         group["lr"] = recipe.lr_at(step)
     dense_warmup(model, step < recipe.dense_warmup_steps)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    gates = [m for m in model.modules() if isinstance(m, Gate) and m.bias is not None]
+    gates = balanced_gates(model)
     optimizer.zero_grad(set_to_none=True)
     mine = replicas.share(rows)
     with routing_loads(model) as loads:
