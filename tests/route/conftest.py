@@ -16,6 +16,20 @@ from tests.console.conftest import ADMIN_TOKEN
 from tests.support import free_port, sign_in
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+# Lines of a console process's log shown with a test that failed against it (CI keeps nothing else of the run).
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test against a console process (a `console` fixture with a `log`) reports the log's last lines: a
+    switch or an engine start that went wrong says why there."""
+    outcome = yield
+    report = outcome.get_result()
+    log = getattr(item.funcargs.get("console") if hasattr(item, "funcargs") else None, "log", None)
+    if report.failed and isinstance(log, Path) and log.exists():
+        tail = [line[:400] for line in log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]]
+        report.sections.append((f"console log, last {len(tail)} lines ({log})", "\n".join(tail)))
 
 
 @pytest.fixture(scope="module")
