@@ -1175,7 +1175,7 @@ def _retrieval(draw: _Draw) -> Built:
         messages=messages,
         answer=_reply(draw, "retrieval", code, kind=kind),
         template="+".join([nid, qid, *(f"{bank.split}.filler.{i}" for i in range(len(bank.filler.templates)))]),
-        check={"expected": code, "needle": needle, "depth": depth, "target_tokens": target},
+        check={"expected": code, "kind": kind, "needle": needle, "depth": depth, "target_tokens": target},
     )
 
 

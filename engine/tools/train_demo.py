@@ -8,9 +8,10 @@ How it trains, and why:
   row one request of a batch (a slot and pages of a fresh fp32 cache per step, as the runner lays them out),
   `run_layers`, `logits`, `mtp_logits`. The references' work is launched per request and per layer, so a request per
   sample (most are a few hundred tokens) made the step launch-bound; a sample sees the ones before it in its row,
-  as in packed pretraining, and each starts with BOS. A row holds at most one retrieval sample: another haystack's
-  needle before it would make its question ambiguous (which code?). A step is a number of tokens, not of rows, so
-  the rows such samples need do not shorten it.
+  as in packed pretraining, and each starts with BOS. A row holds retrieval samples of distinct code kinds only: an
+  earlier haystack's needle of the question's kind would make it ambiguous (which code?), one of another kind is a
+  distractor the lookup must pass over. (One retrieval sample a row made 26 rows of a 65K-token step, 16 now: the
+  references' work per row is most of a step's launches.) A step is a number of tokens, not of rows.
   The plain-torch references are differentiable; Triton kernels have no backward, so it runs with
   FLASHGATE_KERNELS=torch (set here) and with the FP8/FP4 activation simulation off (its rounding has no gradient).
 - Loss: next-token cross-entropy on each sample's completion, plus the same on its prompt (`prompt_weight`: the
@@ -128,12 +129,12 @@ class Recipe:
 
 @dataclass(frozen=True)
 class Example:
-    """A sample's tokens: prompt then completion; the loss covers the completion. `needle`: a retrieval sample (a row
-    holds at most one)."""
+    """A sample's tokens: prompt then completion; the loss covers the completion. `needle`: a retrieval sample's code
+    kind, which its question names (a row holds at most one needle of a kind)."""
 
     ids: torch.Tensor
     prompt_len: int
-    needle: bool = False
+    needle: str | None = None
 
 
 # Samples packed one after another into one sequence (one request of the prefill batch).
@@ -169,7 +170,7 @@ def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
 def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[Example]:
     def one(s: demo_data.Sample) -> Example:
         ids = torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion))
-        return Example(ids, s.prompt_tokens, needle=s.task == "retrieval")
+        return Example(ids, s.prompt_tokens, needle=s.check["kind"] if s.task == "retrieval" else None)
 
     with demo_data.threads() as pool:
         return list(pool.map(one, samples))
@@ -178,7 +179,7 @@ def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[
 def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, seed: int) -> Iterator[list[Row]]:
     """Endless steps of at most tokens_per_step tokens (a longer sample is a step of its own): an epoch's order drawn
     from the seed, each sample in turn put into the first of the step's rows with room for it (a row holds at most
-    row_tokens, and at most one sample with a `needle`), else into a new row."""
+    row_tokens, and at most one `needle` of a kind), else into a new row."""
     rng = random.Random(f"{seed}/batches")
     while True:
         order = list(items)
@@ -190,7 +191,7 @@ def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, see
             if rows and sum(held) + n > tokens_per_step:
                 yield [tuple(row) for row in rows]
                 rows, held = [], []
-            fits = (r for r, h in enumerate(held) if h + n <= row_tokens and not (item.needle and _has_needle(rows[r])))
+            fits = (r for r, h in enumerate(held) if h + n <= row_tokens and not _same_needle(item, rows[r]))
             room = next(fits, None)
             if room is None:
                 rows.append([])
@@ -202,8 +203,8 @@ def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, see
             yield [tuple(row) for row in rows]
 
 
-def _has_needle(row: list[Example]) -> bool:
-    return any(e.needle for e in row)
+def _same_needle(item: Example, row: list[Example]) -> bool:
+    return item.needle is not None and any(e.needle == item.needle for e in row)
 
 
 def forward_batch(model: DeepseekV4, rows: Sequence[Row], device: torch.device) -> ForwardBatch:

@@ -166,16 +166,18 @@ def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(ite
     assert sorted(map(id, seen)) == sorted(map(id, items))
 
 
-def test_a_row_holds_at_most_one_retrieval_sample_and_the_step_its_tokens(items):
-    """Another haystack's needle before a question would make it ambiguous; the rows that rule opens do not shorten
-    the step."""
-    assert [e.needle for e in items].count(True) == 1  # the retrieval sample
-    mixed = [Example(torch.arange(100), 50, needle=i % 2 == 0) for i in range(40)]
+def test_a_row_holds_needles_of_distinct_kinds_and_the_step_its_tokens(items):
+    """A haystack's needle of the kind a later question asks for would make it ambiguous; needles of other kinds
+    share a row (distractors); the rows that rule opens do not shorten the step."""
+    assert [type(e.needle) for e in items if e.needle is not None] == [str]  # the retrieval sample's code kind
+    kinds = ("vault", "locker", None, None)
+    mixed = [Example(torch.arange(100), 50, needle=kinds[i % 4]) for i in range(40)]
     steps = batches(mixed, tokens_per_step=2000, row_tokens=400, seed=3)  # 20 samples a step, 4 a row at most
     for _ in range(4):
         rows = next(steps)
         assert sum(len(e.ids) for row in rows for e in row) == 2000
-        assert all(sum(e.needle for e in row) <= 1 for row in rows) and any(len(row) > 1 for row in rows)
+        needles = [[e.needle for e in row if e.needle] for row in rows]
+        assert all(len(set(n)) == len(n) for n in needles) and any(len(n) == 2 for n in needles)
 
 
 def test_the_dense_warm_up_attends_every_visible_c4_row(items):
