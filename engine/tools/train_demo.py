@@ -10,7 +10,7 @@ How it trains, and why:
   sample (most are a few hundred tokens) made the step launch-bound; a sample sees the ones before it in its row,
   as in packed pretraining, and each starts with BOS. A row holds retrieval samples of distinct code kinds only: an
   earlier haystack's needle of the question's kind would make it ambiguous (which code?), one of another kind is a
-  distractor the lookup must pass over. (One retrieval sample a row made 26 rows of a 65K-token step, 16 now: the
+  distractor the lookup must pass over. (One retrieval sample a row made 25 rows of a 65K-token step, 17 now: the
   references' work per row is most of a step's launches.) A step is a number of tokens, not of rows.
   The plain-torch references are differentiable; Triton kernels have no backward, so it runs with
   FLASHGATE_KERNELS=torch (set here) and with the FP8/FP4 activation simulation off (its rounding has no gradient).
