@@ -1,23 +1,30 @@
-"""`python bench/demo_train.py [--steps N] [--replicas 1,2,4] [--held-out PATH] [--out DIR] [--smoke]`: where a
-demo-model training step's time goes (issue 31). A session's device minutes bound the demo model's tokens (run 6:
-25.7M, about 3 a parameter, still undertrained), so this measures train_demo's own step (`train_step`) on its own
-packed rows, with the c4 layers dense (the warm-up) and sparse: seconds and tokens a step, tok/s, and from one
+"""`python bench/demo_train.py [--steps N] [--replicas 1,2,4] [--mps] [--held-out PATH] [--out DIR] [--smoke]`:
+where a demo-model training step's time goes (issue 31). A session's device minutes bound the demo model's tokens
+(run 6: 25.7M, about 3 a parameter, still undertrained), so this measures train_demo's own step (`train_step`) on
+its own packed rows, with the c4 layers dense (the warm-up) and sparse: seconds and tokens a step, tok/s, and from one
 profiled step the device's busy share (its kernels' time over the step's wall time: a small share means the host,
 launching, is the limit), the kernels launched and the ops that take the most device and host time. Then whole
 training runs (`train`, sparse) in 1, 2, 4 … replicas (`Replicas`: processes sharing the GPU, each launching its
-share of a step's rows): tok/s after the first steps, and its ratio to one replica's. Results: DIR/demo-train.json
-and .md, with GPU, commit and date. `--smoke`: the tiny model on a few hundred tokens, on the CPU.
+share of a step's rows): tok/s after the first steps, and its ratio to one replica's. Without MPS a GPU runs one
+process's kernels at a time, switching between them; `--mps` also times the runs of more than one replica under
+NVIDIA's Multi-Process Service (the control daemon started here, its pipes in a temporary folder, and quit after),
+whose replicas' kernels run side by side. Results: DIR/demo-train.json and .md, with GPU, commit and date.
+`--smoke`: the tiny model on a few hundred tokens, on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # torch.cuda.is_available() through NVML, which leaves CUDA uninitialised: replicas are forked after it.
@@ -74,25 +81,62 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
     return phases
 
 
-def scaling(recipe: Recipe, device: torch.device, counts: list[int], steps: int, samples: int,
-            held_out: Path) -> list[dict]:  # fmt: skip
-    """tok/s of whole training runs in each number of replicas, over the steps after the first WARMUP_STEPS (the
-    start's sample drawing and compiling left out), and its ratio to one replica's."""
+def scaling(recipe: Recipe, device: torch.device, counts: list[int], steps: int, samples: int, held_out: Path,
+            mps: bool) -> tuple[list[dict], str | None]:  # fmt: skip
+    """tok/s of whole training runs in each number of replicas (and with `mps` those of more than one again under
+    MPS), over the steps after the first WARMUP_STEPS (the start's sample drawing and compiling left out), and its
+    ratio to one replica's; and why MPS was not measured, if it was asked for and not."""
     run = dataclasses.replace(recipe, train_samples=samples, steps=WARMUP_STEPS + steps, warmup_steps=1,
                               dense_warmup_steps=0)  # fmt: skip
-    rates = {}
+    rates: dict[tuple[int, bool], float] = {}
+    several = sorted((n for n in counts if n > 1), reverse=True)
     with tempfile.TemporaryDirectory() as work:
-        # One replica trains in this process, touching its GPU, after which no replica could be forked: it goes last.
-        for count in sorted(counts, reverse=True):
-            out = Path(work) / str(count)
+
+        def timed(count: int, under_mps: bool) -> None:
+            out = Path(work) / f"{count}-{under_mps}"
             train(run, out, device, held_out, replicas=count)
             curve = json.loads((out / "train_log.json").read_text())["curve"]
             first, last = curve[WARMUP_STEPS - 1], curve[-1]
             seconds = last["tokens"] / last["tok_s"] - first["tokens"] / first["tok_s"]
-            rates[count] = (last["tokens"] - first["tokens"]) / seconds
-    one = rates.get(1)
-    return [{"replicas": n, "tok_s": round(rates[n]), "vs_one": round(rates[n] / one, 2) if one else None}
-            for n in sorted(rates)]  # fmt: skip
+            rates[count, under_mps] = (last["tokens"] - first["tokens"]) / seconds
+
+        missing = None
+        if mps:
+            with mps_daemon(Path(work) / "mps") as missing:
+                if missing is None:
+                    for count in several:
+                        timed(count, True)
+        # One replica trains in this process, touching its GPU, after which no replica could be forked: it goes last.
+        for count in several + ([1] if 1 in counts else []):
+            timed(count, False)
+    one = rates.get((1, False))
+    return [{"replicas": n, "mps": m, "tok_s": round(rate), "vs_one": round(rate / one, 2) if one else None}
+            for (n, m), rate in sorted(rates.items())], missing  # fmt: skip
+
+
+@contextlib.contextmanager
+def mps_daemon(folder: Path) -> Iterator[str | None]:
+    """NVIDIA's MPS control daemon, its pipe and log folders under `folder`, while active (the replicas forked meanwhile
+    inherit the folders' variables and become its clients); yields None, or why it could not be started."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        yield "nvidia-cuda-mps-control is not installed"
+        return
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+    for path in env.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    started = subprocess.run([control, "-d"], env=os.environ | env, stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=30)  # fmt: skip
+    if started.returncode != 0:
+        yield f"nvidia-cuda-mps-control -d failed ({started.returncode}): {(started.stderr or started.stdout).strip()}"
+        return
+    os.environ.update(env)
+    try:
+        yield None
+    finally:
+        subprocess.run([control], input="quit\n", env=os.environ.copy(), capture_output=True, text=True, timeout=60)
+        for name in env:
+            del os.environ[name]
 
 
 def profiled(model, optimizer, rows, recipe: Recipe, step: int, device: torch.device) -> dict:
@@ -145,8 +189,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {phase} | {p['s_per_step']} | {p['tokens_per_step']:,} | {p['rows_per_step']} | "
                      f"{p['tok_s']:,} | {busy} | {p['kernels_launched'] or '—'} | {p['host_ops']:,} |")  # fmt: skip
     lines += ["", f"Whole runs (`train`, sparse c4), {result['scaling_steps']} steps after {WARMUP_STEPS}:", "",
-              "| replicas | tok/s | ÷ one replica |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['replicas']} | {r['tok_s']:,} | {r['vs_one'] or '—'} |" for r in result["scaling"]]
+              "| replicas | MPS | tok/s | ÷ one replica |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['replicas']} | {'yes' if r['mps'] else 'no'} | {r['tok_s']:,} | {r['vs_one'] or '—'} |"
+              for r in result["scaling"]]  # fmt: skip
+    if result["mps_missing"]:
+        lines += ["", f"MPS was asked for and not measured: {result['mps_missing']}."]
     for phase, p in result["phases"].items():
         for kind in ("top_device_ops", "top_host_ops"):
             if p[kind]:
@@ -160,6 +207,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per phase")
     parser.add_argument("--samples", type=int, default=20_000, help="samples drawn to pack the steps from")
     parser.add_argument("--replicas", default="1,2,4,8", help="replica counts of the whole runs, comma-separated")
+    parser.add_argument("--mps", action="store_true", help="time the runs of several replicas under MPS too")
     parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, a few hundred tokens a step")
@@ -169,12 +217,16 @@ def main() -> None:
     if args.smoke:
         recipe = dataclasses.replace(recipe, max_tokens=1024, tokens_per_step=2048, config=dict(TINY_CONFIG))
     counts = [int(n) for n in args.replicas.split(",")]
-    runs = scaling(recipe, device, counts, args.steps, args.samples, args.held_out)  # before this process uses CUDA
+    # before this process uses CUDA; MPS only where there is a GPU
+    runs, mps_missing = scaling(recipe, device, counts, args.steps, args.samples, args.held_out,
+                                args.mps and device.type == "cuda")  # fmt: skip
+    if args.mps and device.type != "cuda":
+        mps_missing = "no GPU"
     with torch_references():
         phases = measure(recipe, device, args.steps, args.samples)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result = {"device": name, **provenance(), "recipe": dataclasses.asdict(recipe), "phases": phases,
-              "scaling_steps": args.steps, "scaling": runs}  # fmt: skip
+              "scaling_steps": args.steps, "scaling": runs, "mps_missing": mps_missing}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo-train.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "demo-train.md").write_text(markdown(result))

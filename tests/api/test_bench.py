@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -76,9 +77,9 @@ def test_the_host_ops_count_smoke_run(tmp_path):
 
 def test_the_demo_training_step_smoke_run(tmp_path):
     """bench/demo_train.py on the tiny model: both c4 modes timed and profiled; the ops a step runs are counted;
-    whole runs in one and two replicas timed."""
+    whole runs in one and two replicas timed (MPS asked for, and said to be missing without a GPU)."""
     done = subprocess.run([sys.executable, "bench/demo_train.py", "--smoke", "--steps", "1", "--samples", "40",
-                           "--replicas", "1,2", "--out", str(tmp_path)],
+                           "--replicas", "1,2", "--mps", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "demo-train.json").read_text())
@@ -86,6 +87,36 @@ def test_the_demo_training_step_smoke_run(tmp_path):
     for phase in report["phases"].values():
         assert phase["tokens_per_step"] > 0 and phase["tok_s"] > 0 and 1 <= phase["rows_per_step"] <= 2
         assert phase["host_ops"] > 1000 and len(phase["top_host_ops"]) == 12
-    assert [r["replicas"] for r in report["scaling"]] == [1, 2] and report["scaling"][0]["vs_one"] == 1
-    assert all(r["tok_s"] > 0 for r in report["scaling"])
+    assert [(r["replicas"], r["mps"]) for r in report["scaling"]] == [(1, False), (2, False)]
+    assert report["scaling"][0]["vs_one"] == 1 and all(r["tok_s"] > 0 for r in report["scaling"])
+    assert report["mps_missing"] == "no GPU"
     assert "| dense |" in (tmp_path / "demo-train.md").read_text()
+
+
+def test_the_mps_daemon_is_started_for_the_runs_and_quit_after(tmp_path, monkeypatch):
+    """bench/demo_train.py's MPS window, against a stand-in for nvidia-cuda-mps-control (no GPU here) that records how
+    it is called: `-d` with the pipe and log folders, the folders in the environment meanwhile (forked replicas
+    inherit them), `quit` on its stdin after; a daemon that will not start is the reason given instead."""
+    from bench.demo_train import mps_daemon
+
+    calls = tmp_path / "calls"
+    control = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    control.parent.mkdir()
+    control.write_text(
+        f'#!/bin/sh\necho "$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> {calls}\nexit "${{FAIL:-0}}"\n'
+    )
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{control.parent}:{os.environ['PATH']}")
+    with mps_daemon(tmp_path / "mps") as missing:
+        assert missing is None and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
+        assert (tmp_path / "mps" / "log").is_dir()
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    started, quit_ = calls.read_text().splitlines()
+    assert started == f"-d pipe={tmp_path / 'mps' / 'pipe'} stdin=" and quit_.endswith("stdin=quit")
+
+    monkeypatch.setenv("FAIL", "3")
+    with mps_daemon(tmp_path / "mps") as missing:
+        assert missing.startswith("nvidia-cuda-mps-control -d failed (3)")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with mps_daemon(tmp_path / "mps") as missing:
+        assert missing == "nvidia-cuda-mps-control is not installed"
