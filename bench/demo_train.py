@@ -1,15 +1,15 @@
-"""`python bench/demo_train.py [--steps N] [--replicas 1,2,4] [--mps] [--held-out PATH] [--out DIR] [--smoke]`:
+"""`python bench/demo_train.py [--steps N] [--replicas 1,2,4] [--row-tokens 4096,16384] [--mps] [--out DIR] …`:
 where a demo-model training step's time goes (issue 31). A session's device minutes bound the demo model's tokens
 (run 6: 25.7M, about 3 a parameter, still undertrained), so this measures train_demo's own step (`train_step`) on
 its own packed rows, with the c4 layers dense (the warm-up) and sparse: seconds and tokens a step, tok/s, and from one
 profiled step the device's busy share (its kernels' time over the step's wall time: a small share means the host,
 launching, is the limit), the kernels launched and the ops that take the most device and host time. Then whole
 training runs (`train`, sparse) in 1, 2, 4 … replicas (`Replicas`: processes sharing the GPU, each launching its
-share of a step's rows): tok/s after the first steps, and its ratio to one replica's. Without MPS a GPU runs one
-process's kernels at a time, switching between them; `--mps` also times the runs of more than one replica under
-NVIDIA's Multi-Process Service (the control daemon started here, its pipes in a temporary folder, and quit after),
-whose replicas' kernels run side by side. Results: DIR/demo-train.json and .md, with GPU, commit and date.
-`--smoke`: the tiny model on a few hundred tokens, on the CPU.
+share of a step's rows) and rows of each length (`Recipe.row_tokens`): tok/s after the first steps, its ratio to one
+replica's, the peak memory. Without MPS a GPU runs one process's kernels at a time, switching between them; `--mps`
+also times the runs of more than one replica under NVIDIA's Multi-Process Service (the control daemon started here,
+its pipes in a temporary folder, and quit after), whose replicas' kernels run side by side. Results:
+DIR/demo-train.json and .md, with GPU, commit and date. `--smoke`: the tiny model on a few hundred tokens, on the CPU.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
     items = examples(demo_data.generate("train", demo_data.mix_counts(samples), config, tokenizer), tokenizer)
     model = initial_model(recipe, device)
     optimizer = optimizer_for(model, recipe)
-    rows_of = batches(items, recipe.tokens_per_step, recipe.max_tokens, recipe.seed)
+    rows_of = batches(items, recipe.tokens_per_step, recipe.row_tokens, recipe.seed)
     phases = {}
     for phase, step in (("dense", 0), ("sparse", recipe.dense_warmup_steps)):
         for _ in range(WARMUP_STEPS):
@@ -81,24 +81,27 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
     return phases
 
 
-def scaling(recipe: Recipe, device: torch.device, counts: list[int], steps: int, samples: int, held_out: Path,
-            mps: bool) -> tuple[list[dict], str | None]:  # fmt: skip
-    """tok/s of whole training runs in each number of replicas (and with `mps` those of more than one again under
-    MPS), over the steps after the first WARMUP_STEPS (the start's sample drawing and compiling left out), and its
-    ratio to one replica's; and why MPS was not measured, if it was asked for and not."""
+def scaling(recipe: Recipe, device: torch.device, counts: list[int], row_lengths: list[int], steps: int,
+            samples: int, held_out: Path, mps: bool) -> tuple[list[dict], str | None]:  # fmt: skip
+    """tok/s of whole training runs in each number of replicas and at each row length (and with `mps` those of more
+    than one replica again under MPS), over the steps after the first WARMUP_STEPS (the start's sample drawing and
+    compiling left out), its ratio to one replica's at `recipe`'s row length, and the first replica's peak memory;
+    and why MPS was not measured, if it was asked for and not."""
     run = dataclasses.replace(recipe, train_samples=samples, steps=WARMUP_STEPS + steps, warmup_steps=1,
                               dense_warmup_steps=0)  # fmt: skip
-    rates: dict[tuple[int, bool], float] = {}
+    runs: dict[tuple[int, int, bool], dict] = {}
     several = sorted((n for n in counts if n > 1), reverse=True)
     with tempfile.TemporaryDirectory() as work:
 
         def timed(count: int, under_mps: bool) -> None:
-            out = Path(work) / f"{count}-{under_mps}"
-            train(run, out, device, held_out, replicas=count)
-            curve = json.loads((out / "train_log.json").read_text())["curve"]
-            first, last = curve[WARMUP_STEPS - 1], curve[-1]
-            seconds = last["tokens"] / last["tok_s"] - first["tokens"] / first["tok_s"]
-            rates[count, under_mps] = (last["tokens"] - first["tokens"]) / seconds
+            for row_tokens in row_lengths:
+                out = Path(work) / f"{count}-{row_tokens}-{under_mps}"
+                train(dataclasses.replace(run, row_tokens=row_tokens), out, device, held_out, replicas=count)
+                written = json.loads((out / "train_log.json").read_text())
+                first, last = written["curve"][WARMUP_STEPS - 1], written["curve"][-1]
+                seconds = last["tokens"] / last["tok_s"] - first["tokens"] / first["tok_s"]
+                runs[count, row_tokens, under_mps] = {"rate": (last["tokens"] - first["tokens"]) / seconds,
+                                                      "peak": written["peak_memory_bytes"]}  # fmt: skip
 
         missing = None
         if mps:
@@ -109,9 +112,11 @@ def scaling(recipe: Recipe, device: torch.device, counts: list[int], steps: int,
         # One replica trains in this process, touching its GPU, after which no replica could be forked: it goes last.
         for count in several + ([1] if 1 in counts else []):
             timed(count, False)
-    one = rates.get((1, False))
-    return [{"replicas": n, "mps": m, "tok_s": round(rate), "vs_one": round(rate / one, 2) if one else None}
-            for (n, m), rate in sorted(rates.items())], missing  # fmt: skip
+    one = runs.get((1, recipe.row_tokens, False), {}).get("rate")
+    return [{"replicas": n, "row_tokens": r, "mps": m, "tok_s": round(got["rate"]),
+             "vs_one": round(got["rate"] / one, 2) if one else None,
+             "peak_memory_gb": got["peak"] and round(got["peak"] / 1e9, 1)}
+            for (n, r, m), got in sorted(runs.items())], missing  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -189,9 +194,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {phase} | {p['s_per_step']} | {p['tokens_per_step']:,} | {p['rows_per_step']} | "
                      f"{p['tok_s']:,} | {busy} | {p['kernels_launched'] or '—'} | {p['host_ops']:,} |")  # fmt: skip
     lines += ["", f"Whole runs (`train`, sparse c4), {result['scaling_steps']} steps after {WARMUP_STEPS}:", "",
-              "| replicas | MPS | tok/s | ÷ one replica |", "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['replicas']} | {'yes' if r['mps'] else 'no'} | {r['tok_s']:,} | {r['vs_one'] or '—'} |"
-              for r in result["scaling"]]  # fmt: skip
+              f"| replicas | row tokens | MPS | tok/s | ÷ one replica, rows of {result['recipe']['row_tokens']:,} "
+              "| peak GB |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['replicas']} | {r['row_tokens']:,} | {'yes' if r['mps'] else 'no'} | {r['tok_s']:,} | "
+              f"{r['vs_one'] or '—'} | {r['peak_memory_gb'] or '—'} |" for r in result["scaling"]]  # fmt: skip
     if result["mps_missing"]:
         lines += ["", f"MPS was asked for and not measured: {result['mps_missing']}."]
     for phase, p in result["phases"].items():
@@ -207,18 +214,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per phase")
     parser.add_argument("--samples", type=int, default=20_000, help="samples drawn to pack the steps from")
     parser.add_argument("--replicas", default="1,2,4,8", help="replica counts of the whole runs, comma-separated")
+    parser.add_argument(
+        "--row-tokens",
+        default=str(Recipe.row_tokens),
+        help="row lengths of the whole runs, comma-separated (the first is the phases')",
+    )
     parser.add_argument("--mps", action="store_true", help="time the runs of several replicas under MPS too")
     parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, a few hundred tokens a step")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    recipe = Recipe(dense_warmup_steps=1)
-    if args.smoke:
-        recipe = dataclasses.replace(recipe, max_tokens=1024, tokens_per_step=2048, config=dict(TINY_CONFIG))
+    row_lengths = [int(n) for n in args.row_tokens.split(",")]
+    smoke = {"max_tokens": 1024, "tokens_per_step": 2048, "config": dict(TINY_CONFIG)} if args.smoke else {}
+    recipe = Recipe(dense_warmup_steps=1, row_tokens=row_lengths[0], **smoke)
     counts = [int(n) for n in args.replicas.split(",")]
     # before this process uses CUDA; MPS only where there is a GPU
-    runs, mps_missing = scaling(recipe, device, counts, args.steps, args.samples, args.held_out,
+    runs, mps_missing = scaling(recipe, device, counts, row_lengths, args.steps, args.samples, args.held_out,
                                 args.mps and device.type == "cuda")  # fmt: skip
     if args.mps and device.type != "cuda":
         mps_missing = "no GPU"

@@ -4,7 +4,7 @@ engine's own modules, on engine/tools/demo_data.py's samples, and writes it as a
 
 How it trains, and why:
 
-- The forward is the engine's prefill: samples are packed one after another into rows of at most max_tokens, each
+- The forward is the engine's prefill: samples are packed one after another into rows of at most row_tokens, each
   row one request of a batch (a slot and pages of a fresh fp32 cache per step, as the runner lays them out),
   `run_layers`, `logits`, `mtp_logits`. The references' work is launched per request and per layer, so a request per
   sample (most are a few hundred tokens) made the step launch-bound; a sample sees the ones before it in its row,
@@ -94,6 +94,10 @@ class Recipe:
     train_samples: int = 60_000
     eval_per_task: int = 50
     max_tokens: int = demo_data.DEFAULT_MAX_TOKENS
+    # The longest row a step packs samples into (`batches`): a row's work is mostly a fixed number of launches, so
+    # rows longer than a sample make a step fewer of them, at the cost of attention and indexer work and memory
+    # that grow with a row's length. Positions past the served context only shift RoPE's relative angles.
+    row_tokens: int = demo_data.DEFAULT_MAX_TOKENS
     tokens_per_step: int = 65_536
     steps: int = 2_000
     lr: float = 2e-3
@@ -114,6 +118,11 @@ class Recipe:
     init: str = ""
     first_step: int = 0
     config: dict = field(default_factory=lambda: dict(DEMO_CONFIG))
+
+    def __post_init__(self) -> None:
+        if self.row_tokens < self.max_tokens:
+            raise ValueError(f"row_tokens ({self.row_tokens}) must hold the longest sample, max_tokens "
+                             f"({self.max_tokens})")  # fmt: skip
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up from the run's first step, then the schedule's cosine decay over all its steps."""
@@ -505,7 +514,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Pat
         optimizer = optimizer_for(model, recipe)
         curve = earlier_curve(recipe)
         started, tokens, spent = time.perf_counter(), 0, curve[-1]["tokens"] if curve else 0
-        steps = batches(train_items, recipe.tokens_per_step, recipe.max_tokens, recipe.data_seed)  # endless
+        steps = batches(train_items, recipe.tokens_per_step, recipe.row_tokens, recipe.data_seed)  # endless
         for step, rows in zip(range(recipe.first_step, recipe.steps), steps, strict=False):
             try:
                 measured = train_step(model, optimizer, rows, recipe, step, here, replicas)
@@ -599,6 +608,8 @@ def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.devic
     where = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "replicas": replicas,
+        # the first replica's (they are alike), allocator's count
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "commit": os.environ.get("FLASHGATE_COMMIT", "unknown"),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }

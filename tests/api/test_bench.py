@@ -79,7 +79,7 @@ def test_the_demo_training_step_smoke_run(tmp_path):
     """bench/demo_train.py on the tiny model: both c4 modes timed and profiled; the ops a step runs are counted;
     whole runs in one and two replicas timed (MPS asked for, and said to be missing without a GPU)."""
     done = subprocess.run([sys.executable, "bench/demo_train.py", "--smoke", "--steps", "1", "--samples", "40",
-                           "--replicas", "1,2", "--mps", "--out", str(tmp_path)],
+                           "--replicas", "1,2", "--row-tokens", "1024,2048", "--mps", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "demo-train.json").read_text())
@@ -87,7 +87,12 @@ def test_the_demo_training_step_smoke_run(tmp_path):
     for phase in report["phases"].values():
         assert phase["tokens_per_step"] > 0 and phase["tok_s"] > 0 and 1 <= phase["rows_per_step"] <= 2
         assert phase["host_ops"] > 1000 and len(phase["top_host_ops"]) == 12
-    assert [(r["replicas"], r["mps"]) for r in report["scaling"]] == [(1, False), (2, False)]
+    assert [(r["replicas"], r["row_tokens"], r["mps"]) for r in report["scaling"]] == [
+        (1, 1024, False),
+        (1, 2048, False),
+        (2, 1024, False),
+        (2, 2048, False),
+    ]
     assert report["scaling"][0]["vs_one"] == 1 and all(r["tok_s"] > 0 for r in report["scaling"])
     assert report["mps_missing"] == "no GPU"
     assert "| dense |" in (tmp_path / "demo-train.md").read_text()

@@ -37,8 +37,8 @@ from engine.tools.train_demo import (
 pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
 # The tiny widths (window 16, 8 top-k rows): the c4, c128 and indexer paths all matter within a 1-2K-token sample.
-SMALL = Recipe(train_samples=7, eval_per_task=1, max_tokens=2048, tokens_per_step=2500, steps=2, warmup_steps=1,
-               config=dict(TINY_CONFIG))  # fmt: skip
+SMALL = Recipe(train_samples=7, eval_per_task=1, max_tokens=2048, row_tokens=2048, tokens_per_step=2500, steps=2,
+               warmup_steps=1, config=dict(TINY_CONFIG))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def references():
 
 def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_attention(items):
     model = initial_model(SMALL, CPU)
-    batch = next(batches(items, SMALL.tokens_per_step, SMALL.max_tokens, SMALL.seed))
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.row_tokens, SMALL.seed))
     parts = losses(model, batch, CPU)
     assert parts["indexer"] > 0 and all(torch.isfinite(v) for v in parts.values())
     (parts["lm"] + parts["mtp"] + parts["indexer"]).backward()
@@ -70,7 +70,7 @@ def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_
 
 def test_a_batch_trained_on_is_fitted_and_routing_biases_move_towards_balance(items):
     model = initial_model(SMALL, CPU)
-    batch = next(batches(items, SMALL.tokens_per_step, SMALL.max_tokens, SMALL.seed))
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.row_tokens, SMALL.seed))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=3e-3)
     first = None
@@ -183,7 +183,7 @@ def test_a_row_holds_needles_of_distinct_kinds_and_the_step_its_tokens(items):
 def test_the_dense_warm_up_attends_every_visible_c4_row(items):
     """With a top-k that covers every row the indexer's choice is all of them: dense and sparse agree. With the tiny
     top-k of 8 they differ, so the warm-up's attention is not the served one's."""
-    batch = next(batches(items, SMALL.tokens_per_step, SMALL.max_tokens, SMALL.seed))
+    batch = next(batches(items, SMALL.tokens_per_step, SMALL.row_tokens, SMALL.seed))
 
     def lm(recipe: Recipe, dense: bool) -> float:
         model = initial_model(recipe, CPU)
@@ -196,6 +196,12 @@ def test_the_dense_warm_up_attends_every_visible_c4_row(items):
     covering = Recipe(config=dict(TINY_CONFIG) | {"index_topk": SMALL.max_tokens // 4})
     assert lm(covering, True) == pytest.approx(lm(covering, False), rel=1e-5)
     assert lm(SMALL, True) != pytest.approx(lm(SMALL, False), rel=1e-3)
+
+
+def test_a_row_must_hold_the_longest_sample():
+    with pytest.raises(ValueError, match=r"row_tokens \(2048\) must hold the longest sample, max_tokens \(4096\)"):
+        Recipe(row_tokens=2048)
+    assert Recipe(row_tokens=16_384).row_tokens == 16_384
 
 
 def test_a_run_goes_on_from_a_checkpoint_at_its_step_of_the_schedule(tmp_path):
