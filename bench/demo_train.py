@@ -106,9 +106,13 @@ def scaling(recipe: Recipe, device: torch.device, counts: list[int], row_lengths
         missing = None
         if mps:
             with mps_daemon(Path(work) / "mps") as missing:
-                if missing is None:
-                    for count in several:
+                try:
+                    for count in several if missing is None else []:
                         timed(count, True)
+                except RuntimeError as error:  # a replica that could not use MPS: the runs without it still count
+                    missing = f"a run under MPS failed: {error}"
+                    for key in [key for key in runs if key[2]]:
+                        del runs[key]
         # One replica trains in this process, touching its GPU, after which no replica could be forked: it goes last.
         for count in several + ([1] if 1 in counts else []):
             timed(count, False)

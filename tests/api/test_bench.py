@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+from engine.tools.make_tiny import TINY_CONFIG
 from tests.support import ROOT
 
 pytestmark = pytest.mark.slow
@@ -98,12 +101,9 @@ def test_the_demo_training_step_smoke_run(tmp_path):
     assert "| dense |" in (tmp_path / "demo-train.md").read_text()
 
 
-def test_the_mps_daemon_is_started_for_the_runs_and_quit_after(tmp_path, monkeypatch):
-    """bench/demo_train.py's MPS window, against a stand-in for nvidia-cuda-mps-control (no GPU here) that records how
-    it is called: `-d` with the pipe and log folders, the folders in the environment meanwhile (forked replicas
-    inherit them), `quit` on its stdin after; a daemon that will not start is the reason given instead."""
-    from bench.demo_train import mps_daemon
-
+def _mps_control_stand_in(tmp_path, monkeypatch) -> Path:
+    """A stand-in for nvidia-cuda-mps-control (no GPU here) first on PATH, appending how it was called to the
+    returned file; it exits with $FAIL."""
     calls = tmp_path / "calls"
     control = tmp_path / "bin" / "nvidia-cuda-mps-control"
     control.parent.mkdir()
@@ -112,6 +112,16 @@ def test_the_mps_daemon_is_started_for_the_runs_and_quit_after(tmp_path, monkeyp
     )
     control.chmod(0o755)
     monkeypatch.setenv("PATH", f"{control.parent}:{os.environ['PATH']}")
+    return calls
+
+
+def test_the_mps_daemon_is_started_for_the_runs_and_quit_after(tmp_path, monkeypatch):
+    """bench/demo_train.py's MPS window: the control daemon started with `-d` and the pipe and log folders, the
+    folders in the environment meanwhile (forked replicas inherit them), `quit` on its stdin after; a daemon that
+    will not start is the reason given instead."""
+    from bench.demo_train import mps_daemon
+
+    calls = _mps_control_stand_in(tmp_path, monkeypatch)
     with mps_daemon(tmp_path / "mps") as missing:
         assert missing is None and os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
         assert (tmp_path / "mps" / "log").is_dir()
@@ -125,3 +135,24 @@ def test_the_mps_daemon_is_started_for_the_runs_and_quit_after(tmp_path, monkeyp
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     with mps_daemon(tmp_path / "mps") as missing:
         assert missing == "nvidia-cuda-mps-control is not installed"
+
+
+def test_runs_that_fail_under_mps_leave_the_runs_without_it(tmp_path, monkeypatch):
+    """A replica that cannot use MPS (here: any run while the daemon's variables are set) fails its run: the runs
+    without MPS are still timed, and the failure is the reason MPS was not measured."""
+    import bench.demo_train as bench
+    from engine.tools import demo_data
+
+    _mps_control_stand_in(tmp_path, monkeypatch)
+    real = bench.train
+
+    def train(*args, **kwargs):
+        if "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
+            raise RuntimeError("replica 0 of 2 failed: CUDA error: all CUDA-capable devices are busy or unavailable")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "train", train)
+    recipe = bench.Recipe(max_tokens=1024, row_tokens=1024, tokens_per_step=2048, config=dict(TINY_CONFIG))
+    runs, missing = bench.scaling(recipe, torch.device("cpu"), [1, 2], [1024], 1, 40, demo_data.QUALIFICATION_MD, True)
+    assert [(r["replicas"], r["mps"]) for r in runs] == [(1, False), (2, False)]
+    assert missing.startswith("a run under MPS failed: replica 0 of 2 failed: CUDA error")
