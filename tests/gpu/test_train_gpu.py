@@ -26,7 +26,7 @@ def test_replicas_sharing_the_gpu_train_as_one_process_does(tmp_path):
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         log = json.loads((out / "train_log.json").read_text())
-        assert log["replicas"] == replicas and (out / "model.safetensors").is_file()
+        assert log["replicas"] == replicas and (out / "model.safetensors").is_file() and log["peak_memory_bytes"] > 0
         curves[replicas] = log["curve"]
     assert [c["step"] for c in curves[2]] == [0, 1, 2]
     # The same weights and rows: the first step's losses agree (TF32 products, summed in another order).
