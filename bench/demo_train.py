@@ -41,10 +41,10 @@ from engine.tools.make_tiny import TINY_CONFIG  # noqa: E402
 from engine.tools.train_demo import (  # noqa: E402
     Recipe,
     batches,
+    differentiable_kernels,
     examples,
     initial_model,
     optimizer_for,
-    torch_references,
     train,
     train_step,
 )
@@ -238,7 +238,7 @@ def main() -> None:
                                 args.mps and device.type == "cuda")  # fmt: skip
     if args.mps and device.type != "cuda":
         mps_missing = "no GPU"
-    with torch_references():
+    with differentiable_kernels():
         phases = measure(recipe, device, args.steps, args.samples)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     result = {"device": name, **provenance(), "recipe": dataclasses.asdict(recipe), "phases": phases,

@@ -1,7 +1,8 @@
 """Picks an operation's implementation: the Triton kernel on CUDA, the plain-torch reference elsewhere.
 
 `FLASHGATE_KERNELS=triton` forces the Triton kernels (with TRITON_INTERPRET=1 they run on the CPU, which is how CI
-tests them); `FLASHGATE_KERNELS=torch` forces the references.
+tests them); `FLASHGATE_KERNELS=torch` forces the references. `FLASHGATE_KERNELS=autograd` (training) is the
+references too, except for the few Triton kernels with a backward, which run on CUDA (`use_autograd_triton`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import torch
 
 def use_triton(device: torch.device) -> bool:
     choice = os.environ.get("FLASHGATE_KERNELS", "auto")
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"FLASHGATE_KERNELS must be auto, triton or torch, got {choice!r}")
+    if choice not in ("auto", "triton", "torch", "autograd"):
+        raise ValueError(f"FLASHGATE_KERNELS must be auto, triton, torch or autograd, got {choice!r}")
     if choice == "auto":
         return device.type == "cuda"
     return choice == "triton"
+
+
+def use_autograd_triton(device: torch.device) -> bool:
+    """Whether a reference's differentiable Triton kernel replaces its plain torch: under FLASHGATE_KERNELS=autograd,
+    on CUDA, where a training step's many small reference launches are the host's work (elsewhere the references)."""
+    return os.environ.get("FLASHGATE_KERNELS") == "autograd" and device.type == "cuda"
 
 
 def interpreting() -> bool:

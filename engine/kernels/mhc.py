@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.dispatch import interpreting, splits_for, use_triton, wide
+from engine.kernels.dispatch import interpreting, splits_for, use_autograd_triton, use_triton, wide
 from engine.kernels.norm import rms_normalize, tile_elements
 
 
@@ -70,14 +70,122 @@ def hc_pre_reference(
     mixes = _normalized_mixes(streams, fn, norm_eps, mix)  # [N, (2+hc)*hc]
     pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = mixes[:, 2 * hc :].view(-1, hc, hc) * scale[2] + base[2 * hc :].view(hc, hc)
-    comb = torch.softmax(comb, dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):  # alternate row and column normalisation
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    comb = sinkhorn(mixes[:, 2 * hc :].view(-1, hc, hc) * scale[2] + base[2 * hc :].view(hc, hc), hc_eps,
+                    sinkhorn_iters)  # fmt: skip
     x = (pre.unsqueeze(-1) * wide(streams)).sum(dim=1)
     return x.to(streams.dtype), post, comb
+
+
+def sinkhorn_reference(logits: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """logits [N, hc, hc] -> comb [N, hc, hc]: a softmax over each row, then column and row normalisations in turn
+    (`iters` column ones), each sum with hc_eps added."""
+    comb = torch.softmax(logits, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):  # alternate row and column normalisation
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return comb
+
+
+def sinkhorn_triton(logits: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """sinkhorn_reference in one launch forward and one backward (fp32, hc a power of two): the reference's ~6
+    launches an iteration, and twice as many in its backward, are most of a training step's mHC (the demo model's
+    training, where hc_pre is the reference)."""
+    return _Sinkhorn.apply(logits.contiguous(), hc_eps, iters)
+
+
+def sinkhorn(logits: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """The differentiable kernel only where a backward is wanted of the references (FLASHGATE_KERNELS=autograd):
+    the served hc_pre is hc_pre_triton, and the reference stays plain torch as the kernels' oracle."""
+    use = use_autograd_triton(logits.device) and logits.dtype == torch.float32
+    return (sinkhorn_triton if use else sinkhorn_reference)(logits, hc_eps, iters)
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Its forward keeps each normalisation's divisors ([N, 2 * iters - 1, hc]); the backward walks them back from
+    comb: a normalisation y = x / (s + eps), s the sum of x over the group, has x = y * (s + eps) and
+    dx = (dy - sum(dy * y)) / (s + eps), and the softmax p has dlogits = p * (dp - sum(dp * p))."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+        n, hc = logits.shape[0], logits.shape[-1]
+        comb = torch.empty_like(logits)
+        divisors = torch.empty(n, 2 * iters - 1, hc, dtype=logits.dtype, device=logits.device)
+        _sinkhorn_forward_kernel[(triton.cdiv(n, SINKHORN_BLOCK_N),)](
+            logits, comb, divisors, n, hc_eps, HC=hc, ITERS=iters, BLOCK_N=SINKHORN_BLOCK_N
+        )
+        ctx.save_for_backward(comb, divisors)
+        ctx.hc_eps, ctx.iters = hc_eps, iters
+        return comb
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        comb, divisors = ctx.saved_tensors
+        n, hc = comb.shape[0], comb.shape[-1]
+        grad_logits = torch.empty_like(comb)
+        _sinkhorn_backward_kernel[(triton.cdiv(n, SINKHORN_BLOCK_N),)](
+            grad.contiguous(), comb, divisors, grad_logits, n, ctx.hc_eps, HC=hc, ITERS=ctx.iters,
+            BLOCK_N=SINKHORN_BLOCK_N,
+        )  # fmt: skip
+        return grad_logits, None, None
+
+
+SINKHORN_BLOCK_N = 64
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _sinkhorn_forward_kernel(
+    logits_ptr, comb_ptr, div_ptr, n_tokens, hc_eps, HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i, j = tl.arange(0, HC), tl.arange(0, HC)
+    at = n[:, None, None] * HC * HC + i[None, :, None] * HC + j[None, None, :]
+    live = n[:, None, None] < n_tokens
+    x = tl.load(logits_ptr + at, mask=live, other=0.0)
+    x = tl.exp(x - tl.max(x, axis=2)[:, :, None])
+    x = x / tl.sum(x, axis=2)[:, :, None] + hc_eps
+    steps = 2 * ITERS - 1
+    div_at = n[:, None] * steps * HC + tl.arange(0, HC)[None, :]
+    div_live = n[:, None] < n_tokens
+    column = tl.sum(x, axis=1) + hc_eps  # [BLOCK_N, HC]: divides column j
+    tl.store(div_ptr + div_at, column, mask=div_live)
+    x = x / column[:, None, :]
+    for it in range(ITERS - 1):
+        row = tl.sum(x, axis=2) + hc_eps
+        tl.store(div_ptr + div_at + (2 * it + 1) * HC, row, mask=div_live)
+        x = x / row[:, :, None]
+        column = tl.sum(x, axis=1) + hc_eps
+        tl.store(div_ptr + div_at + (2 * it + 2) * HC, column, mask=div_live)
+        x = x / column[:, None, :]
+    tl.store(comb_ptr + at, x, mask=live)
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _sinkhorn_backward_kernel(
+    grad_ptr, comb_ptr, div_ptr, out_ptr, n_tokens, hc_eps, HC: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i, j = tl.arange(0, HC), tl.arange(0, HC)
+    at = n[:, None, None] * HC * HC + i[None, :, None] * HC + j[None, None, :]
+    live = n[:, None, None] < n_tokens
+    y = tl.load(comb_ptr + at, mask=live, other=1.0)
+    g = tl.load(grad_ptr + at, mask=live, other=0.0)
+    steps = 2 * ITERS - 1
+    div_at = n[:, None] * steps * HC + tl.arange(0, HC)[None, :]
+    div_live = n[:, None] < n_tokens
+    for back in range(ITERS - 1):
+        it = ITERS - 2 - back
+        column = tl.load(div_ptr + div_at + (2 * it + 2) * HC, mask=div_live, other=1.0)[:, None, :]
+        g = (g - tl.sum(g * y, axis=1)[:, None, :]) / column
+        y = y * column
+        row = tl.load(div_ptr + div_at + (2 * it + 1) * HC, mask=div_live, other=1.0)[:, :, None]
+        g = (g - tl.sum(g * y, axis=2)[:, :, None]) / row
+        y = y * row
+    column = tl.load(div_ptr + div_at, mask=div_live, other=1.0)[:, None, :]
+    g = (g - tl.sum(g * y, axis=1)[:, None, :]) / column
+    p = y * column - hc_eps  # the softmax
+    tl.store(out_ptr + at, p * (g - tl.sum(g * p, axis=2)[:, :, None]), mask=live)
 
 
 def hc_post_reference(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

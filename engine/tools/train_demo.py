@@ -12,8 +12,10 @@ How it trains, and why:
   earlier haystack's needle of the question's kind would make it ambiguous (which code?), one of another kind is a
   distractor the lookup must pass over. (One retrieval sample a row made 25 rows of a 65K-token step, 17 now: the
   references' work per row is most of a step's launches.) A step is a number of tokens, not of rows.
-  The plain-torch references are differentiable; Triton kernels have no backward, so it runs with
-  FLASHGATE_KERNELS=torch (set here) and with the FP8/FP4 activation simulation off (its rounding has no gradient).
+  The plain-torch references are differentiable; the served Triton kernels have no backward, so it runs with
+  FLASHGATE_KERNELS=autograd (set here: the references, and on a GPU the few kernels written with a backward, the
+  Sinkhorn of mHC's ~120 launches an hc_pre among them) and with the FP8/FP4 activation simulation off (its rounding
+  has no gradient).
 - Loss: next-token cross-entropy on each sample's completion, plus the same on its prompt (`prompt_weight`: the
   prompts' repeats and echoes are what teaches the copying heads; the first run, on completions alone, recalled
   its training lists instead of copying and found no needle), plus the MTP
@@ -474,15 +476,16 @@ def train(recipe: Recipe, out: Path, device: torch.device | None = None, held_ou
     (qualification.md), in `replicas` processes (`Replicas`) on `device` (None: a GPU if there is one); the loss
     curve and the checkpoint go to `out`. With `stop_after_s`, the run ends after the first step past that many
     seconds of training, its checkpoint written: the next call goes on from it."""
-    with torch_references():
+    with differentiable_kernels():
         _train(recipe, out, device, held_out, stop_after_s, replicas)
 
 
 @contextmanager
-def torch_references() -> Iterator[None]:
-    """The plain-torch references (differentiable) instead of the Triton kernels while active."""
+def differentiable_kernels() -> Iterator[None]:
+    """While active, the differentiable implementations: the plain-torch references, and on a GPU the Triton kernels
+    written with a backward."""
     before = os.environ.get("FLASHGATE_KERNELS")
-    os.environ["FLASHGATE_KERNELS"] = "torch"
+    os.environ["FLASHGATE_KERNELS"] = "autograd"
     try:
         yield
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import mhc, norm, rope
+from engine.kernels import dispatch, mhc, norm, rope
 from engine.model.layers import rope_inv_freq
 from tests.engine.conftest import prefill_logits
 
@@ -106,6 +106,31 @@ def test_hc_head(dtype, n):
     streams = torch.randn(n, HC, DIM, generator=gen).to(dtype)
     params = (*_hc_params(HC, 1, gen), HC_EPS, NORM_EPS)
     _close(mhc.hc_head_triton(streams, *params), mhc.hc_head_reference(streams, *params))
+
+
+@pytest.mark.parametrize("n", TOKENS)
+def test_sinkhorn_forward_and_backward_match_the_references_autograd(n):
+    """The training kernel: comb and the logits' gradient (through every normalisation and the softmax, rebuilt from
+    the kept divisors) as autograd takes them through sinkhorn_reference."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(n, HC, HC, generator=gen) * 2).requires_grad_()
+    upstream = torch.randn(n, HC, HC, generator=gen)
+    (want,) = torch.autograd.grad((mhc.sinkhorn_reference(logits, HC_EPS, ITERS) * upstream).sum(), logits)
+    comb = mhc.sinkhorn_triton(logits, HC_EPS, ITERS)
+    (got,) = torch.autograd.grad((comb * upstream).sum(), logits)
+    _close(comb, mhc.sinkhorn_reference(logits, HC_EPS, ITERS).detach())
+    _close(got, want)
+    assert got.abs().max() > 0.1  # a gradient that matters, not two zeros
+
+
+def test_the_autograd_kernels_run_only_where_asked_and_on_cuda(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setenv("FLASHGATE_KERNELS", "autograd")
+    assert dispatch.use_autograd_triton(cuda) and not dispatch.use_autograd_triton(cpu)
+    assert not dispatch.use_triton(cuda)  # every other operation: its reference
+    for choice in ("auto", "torch", "triton"):
+        monkeypatch.setenv("FLASHGATE_KERNELS", choice)
+        assert not dispatch.use_autograd_triton(cuda)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

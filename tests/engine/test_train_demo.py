@@ -24,12 +24,12 @@ from engine.tools.train_demo import (
     Replicas,
     balance_routing,
     batches,
+    differentiable_kernels,
     evaluate,
     examples,
     initial_model,
     losses,
     routing_loads,
-    torch_references,
     train,
     train_step,
 )
@@ -49,7 +49,7 @@ def items():
 
 @pytest.fixture(autouse=True)
 def references():
-    with torch_references():
+    with differentiable_kernels():
         yield
 
 

@@ -62,6 +62,20 @@ def test_hc_post_and_head_at_flash_sizes(dtype, n):
     _close(mhc.hc_head_triton(streams, *params), mhc.hc_head_reference(streams, *params))
 
 
+def test_sinkhorn_training_kernel_forward_and_backward_at_a_training_steps_tokens():
+    """The demo model's training (FLASHGATE_KERNELS=autograd) takes Sinkhorn through sinkhorn_triton: comb and the
+    logits' gradient as autograd takes them through the reference, over a row of 8,192 tokens."""
+    gen = torch.Generator(DEV).manual_seed(3)
+    logits = (torch.randn(8192, HC, HC, device=DEV, generator=gen) * 2).requires_grad_()
+    upstream = torch.randn(8192, HC, HC, device=DEV, generator=gen)
+    want = mhc.sinkhorn_reference(logits, HC_EPS, ITERS)
+    (want_grad,) = torch.autograd.grad((want * upstream).sum(), logits)
+    got = mhc.sinkhorn_triton(logits, HC_EPS, ITERS)
+    (got_grad,) = torch.autograd.grad((got * upstream).sum(), logits)
+    _close(got, want.detach())
+    _close(got_grad, want_grad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [*TOKENS, 48, 2048])  # 48: a captured size not a power of two; 2048: a prefill chunk
 def test_hc_post_mix_at_flash_sizes_eager_and_in_a_cuda_graph(dtype, n):
