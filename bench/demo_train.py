@@ -1,7 +1,8 @@
 """`python bench/demo_train.py [--steps N] [--replicas 1,2,4] [--row-tokens 4096,16384] [--mps] [--out DIR] …`:
 where a demo-model training step's time goes (issue 31). A session's device minutes bound the demo model's tokens
 (run 6: 25.7M, about 3 a parameter, still undertrained), so this measures train_demo's own step (`train_step`) on
-its own packed rows, with the c4 layers dense (the warm-up) and sparse: seconds and tokens a step, tok/s, and from one
+its own packed rows, with the c4 layers dense (the warm-up) and sparse, and sparse again on the plain references
+alone (without the kernels written with a backward): seconds and tokens a step, tok/s, and from one
 profiled step the device's busy share (its kernels' time over the step's wall time: a small share means the host,
 launching, is the limit), the kernels launched and the ops that take the most device and host time. Then whole
 training runs (`train`, sparse) in 1, 2, 4 … replicas (`Replicas`: processes sharing the GPU, each launching its
@@ -55,6 +56,7 @@ TOP_OPS = 12
 
 
 def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> dict:
+    """The phases' timings, inside differentiable_kernels() (which restores FLASHGATE_KERNELS after)."""
     torch.backends.cuda.matmul.allow_tf32 = True  # as train_demo trains
     tokenizer = demo_data.default_tokenizer()
     config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
@@ -63,7 +65,11 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
     optimizer = optimizer_for(model, recipe)
     rows_of = batches(items, recipe.tokens_per_step, recipe.row_tokens, recipe.seed)
     phases = {}
-    for phase, step in (("dense", 0), ("sparse", recipe.dense_warmup_steps)):
+    # The last phase again on the plain references alone (FLASHGATE_KERNELS=torch): what the kernels written with a
+    # backward (mHC's Sinkhorn) save a step, in the same run.
+    for phase, step, kernels in (("dense", 0, "autograd"), ("sparse", recipe.dense_warmup_steps, "autograd"),
+                                 ("sparse, references only", recipe.dense_warmup_steps, "torch")):  # fmt: skip
+        os.environ["FLASHGATE_KERNELS"] = kernels
         for _ in range(WARMUP_STEPS):
             train_step(model, optimizer, next(rows_of), recipe, step, device)
         timed = [next(rows_of) for _ in range(steps)]
@@ -188,7 +194,7 @@ def markdown(result: dict) -> str:
         "",
         f"{result['device']}, commit {result['commit']}, {result['date']}, torch {result['torch']}. "
         "`python bench/demo_train.py`: train_demo's `train_step` on its packed rows "
-        f"({result['recipe']['tokens_per_step']:,} tokens a step at most, rows of {result['recipe']['max_tokens']:,}).",
+        f"({result['recipe']['tokens_per_step']:,} tokens a step at most, rows of {result['recipe']['row_tokens']:,}).",
         "",
         "| c4 attention | s/step | tokens/step | rows/step | tok/s | device busy | kernels/step | host ops/step |",
         "|---|---|---|---|---|---|---|---|",
