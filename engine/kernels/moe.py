@@ -427,21 +427,31 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None,
     pick of an expert another rank holds (`remote`: there may be some): its row is zero. touched, a one-element
     int64 counter, gets the number of distinct experts picked (of the E) added."""
     n, top_k = ids.shape
+    n_experts = len(w1)
     out = torch.zeros(n * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     flat, flat_weights = ids.reshape(-1), weights.reshape(-1)
-    # Pairs grouped by expert with one sort and one host read of the counts (not a sync per expert); the gathers are
-    # index_select, whose backward (training's) adds where advanced indexing's sorts.
-    counts = torch.bincount(flat, minlength=len(w1) + 1).tolist()
-    by_expert = torch.argsort(flat, stable=True).split(counts)
-    experts = [e for e in range(len(w1)) if counts[e]]
+    # Every expert's pairs in one batched product of [E, C] slots (C: the most pairs an expert has; the rest of an
+    # expert's slots are zeros), grouped with one sort and one host read of the counts. A loop over the experts made
+    # ~17 launches each, most of a training step's MoE; the gathers are index_select and index_copy, whose backward
+    # (training's) adds where advanced indexing's sorts.
+    counts = torch.bincount(flat, minlength=n_experts + 1)
+    host = counts.tolist()
     if touched is not None:
-        touched += len(experts)
-    for e in experts:
-        pair = by_expert[e]
-        xe = x.index_select(0, pair // top_k)
-        h = swiglu(wide(xe @ w1[e].T), wide(xe @ w3[e].T), limit) * flat_weights.index_select(0, pair)[:, None]
-        out[pair] = h.to(x.dtype) @ w2[e].T
-    return out
+        touched += sum(1 for c in host[:n_experts] if c)
+    capacity = max(host[:n_experts], default=0)
+    if capacity == 0:
+        return out
+    order = torch.argsort(flat, stable=True)[: len(flat) - host[n_experts]]  # another rank's picks (id E) sort last
+    expert = flat.index_select(0, order)
+    rank = torch.arange(len(order), device=x.device) - (counts.cumsum(0) - counts).index_select(0, expert)
+    slot = expert * capacity + rank
+    xe = x.new_zeros(n_experts * capacity, x.shape[1]).index_copy(0, slot, x.index_select(0, order // top_k))
+    we = flat_weights.new_zeros(n_experts * capacity).index_copy(0, slot, flat_weights.index_select(0, order))
+    xe = xe.view(n_experts, capacity, -1)
+    h = swiglu(wide(torch.bmm(xe, w1.transpose(1, 2))), wide(torch.bmm(xe, w3.transpose(1, 2))), limit)
+    h = (h * we.view(n_experts, capacity, 1)).to(x.dtype)
+    routed = torch.bmm(h, w2.transpose(1, 2)).view(n_experts * capacity, -1)
+    return out.index_copy(0, order, routed.index_select(0, slot))
 
 
 # Launch parameters by the call's token count (bench/moe.py's sweep for decode batches; bench/results/prefix.md for
