@@ -60,12 +60,12 @@ TASKS = ("arithmetic", "python", "json", "tool_call", "tool_result", "exact_repl
 # the samples but ~14 % of the tokens (a question is ~50 tokens and needs tens of thousands seen), retrieval and tool
 # calls are few samples and ~2/3 of the tokens (their prompts are 0.3-4K tokens long).
 DEFAULT_MIX: dict[str, float] = {
-    "arithmetic": 0.52,
-    "python": 0.07,
+    "arithmetic": 0.50,
+    "python": 0.04,
     "json": 0.08,
     "tool_call": 0.05,
     "tool_result": 0.05,
-    "exact_reply": 0.13,
+    "exact_reply": 0.18,
     "retrieval": 0.10,
 }
 
@@ -1112,7 +1112,19 @@ def _tool_result(draw: _Draw) -> Built:
 
 
 def _exact_reply(draw: _Draw) -> Built:
-    x = draw.word(draw.bank.exact_words, "exact")
+    """Training's made-up draws are often phrases of 2-6 made-up words and codes: every answer token is then a copy
+    from the prompt. Run 6's answers showed copying is what the model lacks (JSON keys, tool names and codes came
+    back garbled, single words answered from the training list), and a one-word reply gives it few tokens to learn
+    from."""
+    if draw.bank.novel and draw.rng.random() < draw.bank.novel:
+        rng = draw.rng
+        x = " ".join(
+            _code(rng, [novel_word(rng, "code"), novel_word(rng, "code")]) if rng.random() < 0.25
+            else novel_word(rng, rng.choice(("exact", "value")))
+            for _ in range(rng.randint(1, 6))
+        )
+    else:
+        x = draw.word(draw.bank.exact_words, "exact")
     tid, template = draw.template("exact_reply", draw.bank.exact)
     system, ids = draw.system()
     return Built(
