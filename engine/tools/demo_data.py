@@ -1119,7 +1119,8 @@ def _exact_reply(draw: _Draw) -> Built:
     if draw.bank.novel and draw.rng.random() < draw.bank.novel:
         rng = draw.rng
         x = " ".join(
-            _code(rng, [novel_word(rng, "code"), novel_word(rng, "code")]) if rng.random() < 0.25
+            _code(rng, [novel_word(rng, "code"), novel_word(rng, "code")])
+            if rng.random() < 0.25
             else novel_word(rng, rng.choice(("exact", "value")))
             for _ in range(rng.randint(1, 6))
         )
