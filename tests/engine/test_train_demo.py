@@ -195,7 +195,9 @@ def test_the_dense_warm_up_attends_every_visible_c4_row(items):
 
     covering = Recipe(config=dict(TINY_CONFIG) | {"index_topk": SMALL.max_tokens // 4})
     assert lm(covering, True) == pytest.approx(lm(covering, False), rel=1e-5)
-    assert lm(SMALL, True) != pytest.approx(lm(SMALL, False), rel=1e-3)
+    # the same tolerance both ways: only the rows a row's queries skip make the difference (a few 1e-4 of the loss
+    # of a random model, whose attention is nearly uniform)
+    assert lm(SMALL, True) != pytest.approx(lm(SMALL, False), rel=1e-5)
 
 
 def test_a_row_must_hold_the_longest_sample():
