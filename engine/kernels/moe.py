@@ -433,7 +433,8 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None,
     # Every expert's pairs in one batched product of [E, C] slots (C: the most pairs an expert has; the rest of an
     # expert's slots are zeros), grouped with one sort and one host read of the counts. A loop over the experts made
     # ~17 launches each, most of a training step's MoE; the gathers are index_select and index_copy, whose backward
-    # (training's) adds where advanced indexing's sorts.
+    # (training's) adds where advanced indexing's sorts. The price: E x C rows of activations, more than the loop's
+    # when routing is skewed (this reference serves the CPU and training; CUDA serving runs the kernels).
     counts = torch.bincount(flat, minlength=n_experts + 1)
     host = counts.tolist()
     if touched is not None:
