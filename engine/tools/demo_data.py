@@ -57,7 +57,7 @@ log = structlog.get_logger(__name__)
 TASKS = ("arithmetic", "python", "json", "tool_call", "tool_result", "exact_reply", "retrieval")
 
 # The training mix (task -> fraction of the samples). Drawn for the tokens each task gets: arithmetic is most of
-# the samples but ~14 % of the tokens (a question is ~50 tokens and needs tens of thousands seen), retrieval and tool
+# the samples but ~10 % of the tokens (a question is ~50 tokens and needs tens of thousands seen), retrieval and tool
 # calls are few samples and ~2/3 of the tokens (their prompts are 0.3-4K tokens long).
 DEFAULT_MIX: dict[str, float] = {
     "arithmetic": 0.50,
@@ -1112,12 +1112,10 @@ def _tool_result(draw: _Draw) -> Built:
 
 
 def _exact_reply(draw: _Draw) -> Built:
-    """Training's made-up draws are often phrases of 2-6 made-up words and codes: every answer token is then a copy
-    from the prompt. Run 6's answers showed copying is what the model lacks (JSON keys, tool names and codes came
-    back garbled, single words answered from the training list), and a one-word reply gives it few tokens to learn
-    from."""
-    if draw.bank.novel and draw.rng.random() < draw.bank.novel:
-        rng = draw.rng
+    """Training's made-up draws are phrases of 1-6 made-up words and codes, so every answer token is a copy from the
+    prompt: copying is what run 6 lacked, and a one-word reply gives few tokens to learn it from."""
+    rng = draw.rng
+    if draw.bank.novel and rng.random() < draw.bank.novel:
         x = " ".join(
             _code(rng, [novel_word(rng, "code"), novel_word(rng, "code")])
             if rng.random() < 0.25
