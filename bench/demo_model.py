@@ -57,6 +57,8 @@ def record(run: Path, gpu: str | None, commit: str | None) -> dict:
         "date": log.get("date", datetime.date.today().isoformat()),
         "recipe": dataclasses.asdict(recipe),
         "mix": mix_shares(recipe),
+        "steps": curve[-1]["step"] + 1,
+        "calls": log.get("calls", []),
         "tokens": curve[-1]["tokens"],
         "train_tok_s": curve[-1]["tok_s"],
         "final_losses": {k: curve[-1][k] for k in ("lm", "prompt", "mtp", "indexer") if k in curve[-1]},
@@ -77,11 +79,22 @@ def markdown(result: dict) -> str:
         "",
         "![training losses](demo-model.svg)",
         "",
-        f"**Training:** {r['steps']} steps of up to {r['tokens_per_step']:,} tokens (rows of {r['max_tokens']:,}), "
-        f"{result['tokens'] / 1e6:.1f}M tokens at {result['train_tok_s']:,} tok/s; {r['train_samples']:,} samples, "
-        f"seed {r['seed']}, AdamW lr {r['lr']} (warm-up {r['warmup_steps']}, cosine to {r['min_lr_ratio']}x), "
+        f"**Training:** {result['steps']} steps of up to {r['tokens_per_step']:,} tokens (rows of "
+        f"{r['row_tokens']:,}), {result['tokens'] / 1e6:.1f}M tokens, the last call at {result['train_tok_s']:,} "
+        f"tok/s; seed {r['seed']}, AdamW lr {r['lr']} (warm-up {r['warmup_steps']}, cosine to {r['min_lr_ratio']}x), "
         f"weights: prompt {r['prompt_weight']}, MTP {r['mtp_weight']}, indexer {r['indexer_weight']}.",
         "",
+    ]
+    if result["calls"]:
+        lines += [
+            "| call | steps | schedule's steps | samples drawn | data seed | replicas |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {i} | {c['first_step']}–{c['last_step']} | {c['recipe']['steps']:,} | "
+                  f"{c['recipe']['train_samples']:,} | {c['recipe']['seed'] + c['recipe']['first_step']} | "
+                  f"{c['replicas']} |" for i, c in enumerate(result["calls"], 1)]  # fmt: skip
+        lines.append("")
+    lines += [
         "**Final losses:** " + ", ".join(f"{k} {v}" for k, v in result["final_losses"].items()) + ".",
         "",
         f"## Held-out accuracy ({result['eval_per_task']} prompts a task, greedy, served by the engine on the CPU)",

@@ -139,7 +139,7 @@ def line_chart(title: str, subtitle: str, series: dict[str, list[tuple[float, fl
 def demo_chart(demo: dict) -> str:
     curve = demo["curve"]
     series = {name: [(c["tokens"], c[name]) for c in curve] for name in ("lm", "prompt", "mtp", "indexer")}
-    subtitle = (f"{demo['recipe']['steps']} steps, {curve[-1]['tokens'] / 1e6:.1f}M tokens at "
+    subtitle = (f"{curve[-1]['step'] + 1} steps, {curve[-1]['tokens'] / 1e6:.1f}M tokens, the last call at "
                 f"{curve[-1]['tok_s']:,} tok/s; {demo['gpu']}, commit {demo['commit']}, {demo['date']}")  # fmt: skip
     return line_chart("Demo model: training losses", subtitle, series, "tokens trained on", "loss (nats per token)")
 

@@ -597,17 +597,26 @@ def train_step(model: DeepseekV4, optimizer: torch.optim.Optimizer, rows: Sequen
     return measured
 
 
+def _earlier_log(recipe: Recipe) -> dict:
+    earlier = Path(recipe.init) / "train_log.json" if recipe.init else None
+    return json.loads(earlier.read_text()) if earlier is not None and earlier.is_file() else {}
+
+
 def earlier_curve(recipe: Recipe) -> list[dict]:
     """A resumed run's curve begins with the steps before its first one, from the checkpoint's own train_log.json
     (their `tokens` count on): the run that spans calls is recorded whole."""
-    earlier = Path(recipe.init) / "train_log.json" if recipe.init else None
-    if earlier is None or not earlier.is_file():
-        return []
-    return [c for c in json.loads(earlier.read_text())["curve"] if c["step"] < recipe.first_step]
+    return [c for c in _earlier_log(recipe).get("curve", []) if c["step"] < recipe.first_step]
 
 
 def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.device, replicas: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    # Each call's recipe and the steps it took, the resumed checkpoint's calls first: what reproduces a run that
+    # spans calls, whose ends are set by time (--stop-after-s) and whose schedules may differ.
+    calls = [c for c in _earlier_log(recipe).get("calls", []) if c["last_step"] < recipe.first_step]
+    took = [c["step"] for c in curve if c["step"] >= recipe.first_step]
+    if took:
+        own = {k: v for k, v in dataclasses.asdict(recipe).items() if k != "config"}  # the run's, at the top
+        calls.append({"recipe": own, "replicas": replicas, "first_step": took[0], "last_step": took[-1]})
     where = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "replicas": replicas,
@@ -616,7 +625,7 @@ def _write_log(out: Path, recipe: Recipe, curve: list[dict], device: torch.devic
         "commit": os.environ.get("FLASHGATE_COMMIT", "unknown"),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-    log = {"recipe": dataclasses.asdict(recipe), **where, "curve": curve}
+    log = {"recipe": dataclasses.asdict(recipe), **where, "calls": calls, "curve": curve}
     (out / "train_log.json").write_text(json.dumps(log) + "\n")
 
 

@@ -157,3 +157,32 @@ def test_runs_that_fail_under_mps_leave_the_runs_without_it(tmp_path, monkeypatc
     runs, missing = bench.scaling(recipe, torch.device("cpu"), [1, 2], [1024], 1, 40, demo_data.QUALIFICATION_MD, True)
     assert [(r["replicas"], r["mps"]) for r in runs] == [(1, False), (2, False)]
     assert missing.startswith("a run under MPS failed: replica 0 of 2 failed: CUDA error")
+
+
+def test_the_demo_model_record_of_a_run_that_spans_calls(tmp_path):
+    """bench/demo_model.py on a tiny run trained in two calls (the second resumed from the first's checkpoint): the
+    steps of the whole run, each call's steps and schedule (what reproduces it), the accuracy evaluated here on the
+    CPU for a checkpoint brought back without one, and the loss chart."""
+    import dataclasses
+
+    from engine.tools import demo_data
+    from engine.tools.train_demo import Recipe, differentiable_kernels, train
+
+    recipe = Recipe(train_samples=7, eval_per_task=1, max_tokens=2048, row_tokens=2048, tokens_per_step=2500, steps=3,
+                    warmup_steps=1, config=dict(TINY_CONFIG))  # fmt: skip
+    cpu = torch.device("cpu")
+    with differentiable_kernels():
+        train(recipe, tmp_path / "first", cpu, stop_after_s=1e-9)  # ends after its first step
+        train(dataclasses.replace(recipe, init=str(tmp_path / "first"), first_step=1), tmp_path / "run", cpu)
+    done = subprocess.run([sys.executable, "bench/demo_model.py", "--run", str(tmp_path / "run"), "--commit", "abc1234",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "demo-model.json").read_text())
+    assert result["steps"] == 3 and result["commit"] == "abc1234" and set(result["accuracy"]) == set(demo_data.TASKS)
+    assert [(c["first_step"], c["last_step"], c["recipe"]["first_step"]) for c in result["calls"]] == [
+        (0, 0, 0),
+        (1, 2, 1),
+    ]
+    md = (tmp_path / "demo-model.md").read_text()
+    assert "3 steps of up to 2,500 tokens (rows of 2,048)" in md and "| 2 | 1–2 | 3 | 7 | 1 | 1 |" in md
+    assert (tmp_path / "demo-model.svg").read_text().startswith("<")

@@ -109,7 +109,7 @@ def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(tmp_path):
 def test_replicas_take_the_step_one_process_takes_and_stay_identical(items, tmp_path):
     """Two replicas (forked, each a share of the rows) and three (one with no row at all) end a step with the same
     weights as one process on all the rows, and bit-identical to each other; their losses are the step's."""
-    rows = next(batches(items, 3000, 1200, seed=1))
+    rows = next(batches(items, 3000, 1200, seed=1))[:2]  # two rows: three replicas leave one without a row
     assert len(rows) == 2
 
     def step(replicas: Replicas) -> tuple[dict[str, float], list[torch.Tensor]]:
@@ -213,8 +213,14 @@ def test_a_run_goes_on_from_a_checkpoint_at_its_step_of_the_schedule(tmp_path):
     assert [c["step"] for c in first] == [0]
     resumed = dataclasses.replace(recipe, init=str(tmp_path / "first"), first_step=1)
     train(resumed, tmp_path / "second", CPU)
-    second = json.loads((tmp_path / "second" / "train_log.json").read_text())["curve"]
+    log = json.loads((tmp_path / "second" / "train_log.json").read_text())
+    second = log["curve"]
     assert [c["step"] for c in second] == [0, 1, 2]  # the whole run's curve, its tokens counted on
+    # Each call's recipe and steps: what reproduces a run whose calls ended by time.
+    assert [(c["first_step"], c["last_step"], c["recipe"]["init"]) for c in log["calls"]] == [
+        (0, 0, ""),
+        (1, 2, str(tmp_path / "first")),
+    ]
     assert second[0] == first[0] and second[0]["tokens"] < second[1]["tokens"] < second[2]["tokens"]
     # Warmed up again from the run's first step, on the schedule's cosine; its samples drawn anew.
     schedule = Recipe(lr=1.0, min_lr_ratio=0.0, warmup_steps=10, steps=110, first_step=60)
