@@ -486,7 +486,9 @@ TRAIN = Bank(
     ),
     code_kinds=("vault", "access", "door", "backup", "entry"),
     code_words=("FALCON", "MAPLE", "COBALT", "RIVER", "TIGER", "AMBER", "NOVA", "ORBIT", "CRANE", "LOTUS"),
-    novel=0.5,
+    # Three in four: at a half, run 7 fitted training's JSON (1.0) and failed held-out keys (0.10), each bent towards
+    # a list word it had learnt to recall ("weight" came out "wner" after "owner", "state" "stat" after "status").
+    novel=0.75,
 )
 
 EVAL = Bank(
@@ -793,10 +795,14 @@ _VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou")
 
 
 def novel_word(rng: random.Random, shape: str = "word") -> str:
-    """A made-up word of 1-3 syllables in one of the shapes a slot takes: "name" (an identifier, maybe two words
-    joined by _), "value" (lower, capitalised or two words), "exact" (any case, maybe with digits), "code" (upper)."""
+    """A made-up word in one of the shapes a slot takes: "name" (an identifier, maybe two words joined by _), "value"
+    (lower, capitalised or two words), "exact" (any case, maybe with digits), "code" (upper). A word is 1-3
+    syllables, or in a third of draws 2-8 random letters: held-out names follow neither the syllables' letter
+    patterns nor any list's, so only a copy that follows whatever letters the prompt has gets them right."""
 
     def one() -> str:
+        if rng.random() < 1 / 3:
+            return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8)))
         word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
         return word + (rng.choice("nrstlkm") if rng.random() < 0.5 else "")
 
