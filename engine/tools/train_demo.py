@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import math
 import mmap
@@ -106,8 +107,9 @@ class Recipe:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     # Steps whose c4 layers attend every visible row (Attention.dense_warmup) while the indexer learns the main
-    # attention's distribution; the rest attend the indexer's top-k, as served.
-    dense_warmup_steps: int = 0
+    # attention's distribution; the rest attend the indexer's top-k, as served. Run 6 warmed up for 180 of its 900
+    # steps; run 7 was started without (this default was 0).
+    dense_warmup_steps: int = 200
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     prompt_weight: float = 0.3
@@ -408,7 +410,8 @@ class Replicas:
             raise RuntimeError(f"replica {index} of {self.count} failed: {error}")
         failed = {i: process.exitcode for i, process in enumerate(processes) if process.exitcode}
         if failed:
-            raise RuntimeError(f"replicas ended without finishing (replica: exit code): {failed}")
+            raise RuntimeError(f"replicas ended without finishing (replica: exit code): {failed}; one that hung has "
+                               f"printed its stack to stderr after {self.timeout_s:g} s")  # fmt: skip
 
     def _wait(self, processes: list[multiprocessing.Process]) -> None:
         """Until every replica has ended, or, once one has failed, the others have had the timeout to end."""
@@ -423,6 +426,9 @@ class Replicas:
     def _forked(self, index: int, replica: Callable[[], None]) -> None:
         self.index = index
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.count))
+        # A replica that has not reached its next sum after the timeout prints every thread's stack to stderr: where
+        # it hangs (or, waiting at the sum, that another does). `sum` winds the timer again.
+        faulthandler.dump_traceback_later(self.timeout_s)
         try:
             replica()
         except threading.BrokenBarrierError:  # another replica failed (its error is the one reported) or hung
@@ -431,6 +437,8 @@ class Replicas:
             self._errors.put((index, f"{type(error).__name__}: {error}"))
             self._barrier.abort()
             raise
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
     def device(self, device: torch.device) -> torch.device:
         """This replica's device: a host's GPUs taken in turn."""
@@ -450,7 +458,9 @@ class Replicas:
         """Each of `tensors` (fp32, on any device) replaced by its sum over the replicas, in place."""
         if self.count == 1:
             return
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).float()
+        faulthandler.dump_traceback_later(self.timeout_s)
+        # A GPU copies only to and from this process's own memory; the CPU alone touches the shared mapping.
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).float().cpu()
         n = len(flat)
         # Two waits: the slots are read only between them, and the sum is written in the next call only after its
         # first wait, which every replica reaches having read this one.
@@ -459,8 +469,8 @@ class Replicas:
         lo, hi = n * self.index // self.count, n * (self.index + 1) // self.count
         torch.sum(self._slots[:, lo:hi], dim=0, out=self._total[lo:hi])
         self._barrier.wait()
-        flat.copy_(self._total[:n])
-        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        summed = self._total[:n].clone().to(tensors[0].device)
+        for t, part in zip(tensors, summed.split([t.numel() for t in tensors]), strict=True):
             t.copy_(part.view_as(t))
 
     def any(self, flag: bool) -> bool:
@@ -471,13 +481,15 @@ class Replicas:
 
 
 def train(recipe: Recipe, out: Path, device: torch.device | None = None, held_out: Path = demo_data.QUALIFICATION_MD,
-          stop_after_s: float = 0.0, replicas: int = 1) -> None:  # fmt: skip
+          stop_after_s: float = 0.0, replicas: int = 1,
+          replica_timeout_s: float = REPLICA_TIMEOUT_S) -> None:  # fmt: skip
     """Train as the recipe says, on samples that share no 8-token run with the gates' texts in `held_out`
-    (qualification.md), in `replicas` processes (`Replicas`) on `device` (None: a GPU if there is one); the loss
-    curve and the checkpoint go to `out`. With `stop_after_s`, the run ends after the first step past that many
-    seconds of training, its checkpoint written: the next call goes on from it."""
+    (qualification.md), in `replicas` processes (`Replicas`, waiting `replica_timeout_s` for one another at a step's
+    sum) on `device` (None: a GPU if there is one); the loss curve and the checkpoint go to `out`. With
+    `stop_after_s`, the run ends after the first step past that many seconds of training, its checkpoint written:
+    the next call goes on from it."""
     with differentiable_kernels():
-        _train(recipe, out, device, held_out, stop_after_s, replicas)
+        _train(recipe, out, device, held_out, stop_after_s, replicas, replica_timeout_s)
 
 
 @contextmanager
@@ -496,7 +508,7 @@ def differentiable_kernels() -> Iterator[None]:
 
 
 def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Path, stop_after_s: float,
-           count: int) -> None:  # fmt: skip
+           count: int, timeout_s: float) -> None:  # fmt: skip
     torch.manual_seed(recipe.data_seed)
     # TF32 products in the fp32 training: the model's own bf16 checkpoint is coarser than their rounding.
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -509,7 +521,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Pat
     model = initial_model(recipe, torch.device("cpu"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     gates = sum(gate.weight.shape[0] for gate in balanced_gates(model))
-    replicas = Replicas(count, floats=trainable + len(LOSSES) + gates)
+    replicas = Replicas(count, floats=trainable + len(LOSSES) + gates, timeout_s=timeout_s)
 
     def replica() -> None:
         here = replicas.device(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -671,6 +683,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Not torch.cuda.is_available() here: CUDA touched before the replicas are forked is unusable in them.
     parser.add_argument("--device", default=None, help="cuda or cpu (default: a GPU if there is one)")
     parser.add_argument("--replicas", type=int, default=1, help="processes training side by side (Replicas)")
+    parser.add_argument("--replica-timeout-s", type=float, default=REPLICA_TIMEOUT_S,
+                        help="how long a replica waits for the others at a step's sum; one that has not come by then "
+                        "prints its stack")  # fmt: skip
     parser.add_argument("--held-out", type=Path, default=demo_data.QUALIFICATION_MD, help="the gates' qualification.md")
     parser.add_argument("--stop-after-s", type=float, default=0.0, help="end after this many seconds of training")
     parser.add_argument("--no-eval", action="store_true", help="write the checkpoint without evaluating it")
@@ -681,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging()
     recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe) if f.name != "config"})
     train(recipe, args.out, args.device and torch.device(args.device), args.held_out, args.stop_after_s,
-          args.replicas)  # fmt: skip
+          args.replicas, args.replica_timeout_s)  # fmt: skip
     if args.no_eval:
         return
     accuracy = evaluate(args.out, recipe, args.device or "auto")

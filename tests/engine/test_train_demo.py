@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
 # The tiny widths (window 16, 8 top-k rows): the c4, c128 and indexer paths all matter within a 1-2K-token sample.
 SMALL = Recipe(train_samples=7, eval_per_task=1, max_tokens=2048, row_tokens=2048, tokens_per_step=2500, steps=2,
-               warmup_steps=1, config=dict(TINY_CONFIG))  # fmt: skip
+               warmup_steps=1, dense_warmup_steps=0, config=dict(TINY_CONFIG))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,28 @@ def test_a_replica_that_fails_ends_the_run_with_its_error():
     with pytest.raises(RuntimeError, match=r"replica 1 of 3 failed: ValueError: no rows for replica 1"):
         replicas.run(replica)
     assert time.monotonic() - started < 60
+
+
+def test_a_replica_that_hangs_prints_its_stack_and_the_run_ends(capfd):
+    """A replica stuck before its step's sum prints where it is once the timeout has passed; the others give up
+    waiting for it, and the trainer ends the run instead of waiting forever."""
+    replicas = Replicas(2, floats=1, timeout_s=2)
+
+    def stuck_before_its_sum() -> None:
+        time.sleep(120)
+
+    def replica() -> None:
+        if replicas.index == 1:
+            stuck_before_its_sum()
+        replicas.any(False)
+
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"replicas ended without finishing .* printed its stack to stderr after 2 s"
+    ):
+        replicas.run(replica)
+    assert time.monotonic() - started < 60
+    assert "in stuck_before_its_sum" in capfd.readouterr().err
 
 
 def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(items):
