@@ -107,8 +107,8 @@ class Recipe:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     # Steps whose c4 layers attend every visible row (Attention.dense_warmup) while the indexer learns the main
-    # attention's distribution; the rest attend the indexer's top-k, as served. Run 6 warmed up for 180 of its 900
-    # steps; run 7 was started without (this default was 0).
+    # attention's distribution; the rest attend the indexer's top-k, as served. 200: about the share run 6 took (180
+    # of 900 steps) of a session's run.
     dense_warmup_steps: int = 200
     weight_decay: float = 0.1
     grad_clip: float = 1.0
