@@ -612,7 +612,7 @@ BANKS = {"train": TRAIN, "eval": EVAL}
 
 # The model's own words (what it is trained to write), shared by both splits.
 REASONING = {
-    "arithmetic": "The user wants {expr} computed.",
+    "arithmetic": "The user wants {expr} computed. {work}",
     "python": "The user wants a short Python answer.",
     "json": "The user wants only JSON back.",
     "tool_call": "The {name} tool fits this request.",
@@ -876,6 +876,24 @@ def _reply(draw: _Draw, task: str, content: str, **values: Any) -> dict[str, Any
     return message
 
 
+def arithmetic_work(a: int, op: str, b: int) -> str:
+    """The reasoning's working, a step a small model can take at a time: a sum or difference by the tens then the
+    ones of `b` (47 + 38 = 47 + 30 + 8 = 77 + 8 = 85), a negative difference as the positive one negated, a product by
+    `b`'s tens and ones (23 * 17 = 23 * 10 + 23 * 7 = 230 + 161 = 391). Answered in one step, the model of run 7
+    erred by a digit in a third of them, mostly in differences."""
+    if op == "-" and a < b:
+        return f"{a} - {b} = -({b} - {a}). {arithmetic_work(b, op, a)} So {a} - {b} = {a - b}."
+    tens, ones = b - b % 10, b % 10
+    if op == "*":
+        if not tens or not ones:
+            return f"{a} * {b} = {a * b}."
+        return f"{a} * {b} = {a} * {tens} + {a} * {ones} = {a * tens} + {a * ones} = {a * b}."
+    step = (lambda x, y: x + y) if op == "+" else (lambda x, y: x - y)
+    if not tens or not ones:
+        return f"{a} {op} {b} = {step(a, b)}."
+    return f"{a} {op} {b} = {a} {op} {tens} {op} {ones} = {step(a, tens)} {op} {ones} = {step(a, b)}."
+
+
 def _arithmetic(draw: _Draw) -> Built:
     rng, bank = draw.rng, draw.bank
     op = rng.choice(sorted(draw.config.operand_ranges))
@@ -887,7 +905,7 @@ def _arithmetic(draw: _Draw) -> Built:
     question = draw.noisy(template.format(a=a, op=op, b=b, word=rng.choice(OP_WORDS[op])))
     return Built(
         messages=[*system, _user(question)],
-        answer=_reply(draw, "arithmetic", str(result), expr=f"{a} {op} {b}"),
+        answer=_reply(draw, "arithmetic", str(result), expr=f"{a} {op} {b}", work=arithmetic_work(a, op, b)),
         template="+".join([*ids, tid]),
         check={"expected": str(result), "a": a, "op": op, "b": b},
     )

@@ -421,3 +421,19 @@ def test_both_splits_name_the_operators_in_the_same_words(train, evaluation):
         words = [w for s in of_task(samples, "arithmetic") for ws in demo_data.OP_WORDS.values() for w in ws
                  if f" {w} " in s.messages[-1]["content"]]  # fmt: skip
         assert words, "no arithmetic prompt names its operator in words"
+
+
+def test_the_arithmetic_working_holds_at_every_step_and_ends_at_the_result():
+    """Every equation of the reasoning's working is true (each side evaluated as Python) for every operand pair of
+    the trained ranges, and its last number is the answer."""
+    import re
+
+    for op, (low, high) in demo_data.OPERAND_RANGES.items():
+        for a in range(low, high + 1):
+            for b in range(low, high + 1):
+                work = demo_data.arithmetic_work(a, op, b)
+                result = eval(f"{a} {op} {b}")
+                assert re.findall(r"-?\d+", work)[-1] == str(result), work
+                for sentence in re.split(r"\.(?: |$)", work):
+                    sides = [s.removeprefix("So ") for s in sentence.split(" = ") if s]
+                    assert len({eval(side) for side in sides}) <= 1, work
