@@ -425,10 +425,15 @@ class Replicas:
 
     def _forked(self, index: int, replica: Callable[[], None]) -> None:
         self.index = index
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.count))
-        # A replica that has not reached its next sum after the timeout prints every thread's stack to stderr: where
-        # it hangs (or, waiting at the sum, that another does). `sum` winds the timer again.
-        faulthandler.dump_traceback_later(self.timeout_s)
+        # One CPU thread: GNU OpenMP's pool is not fork-safe, and a replica's first parallel region after the
+        # trainer used its own hung (on a 16-core host, both replicas in `sum`'s copy into the shared slots). A
+        # replica's CPU work is that copy and sum; its model runs on the GPU (on the CPU, one process with every
+        # thread is the faster run).
+        torch.set_num_threads(1)
+        # A replica that has not reached its next sum after the timeout prints every thread's stack to stderr (where
+        # it hangs or, waiting at the sum, that another does) and exits, so that the run ends even when every replica
+        # hangs. `sum` winds the timer again.
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True)
         try:
             replica()
         except threading.BrokenBarrierError:  # another replica failed (its error is the one reported) or hung
@@ -458,7 +463,7 @@ class Replicas:
         """Each of `tensors` (fp32, on any device) replaced by its sum over the replicas, in place."""
         if self.count == 1:
             return
-        faulthandler.dump_traceback_later(self.timeout_s)
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True)
         # A GPU copies only to and from this process's own memory; the CPU alone touches the shared mapping.
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).float().cpu()
         n = len(flat)

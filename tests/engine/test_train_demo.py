@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 
 import pytest
@@ -173,6 +174,29 @@ def test_a_replica_that_hangs_prints_its_stack_and_the_run_ends(capfd):
         replicas.run(replica)
     assert time.monotonic() - started < 60
     assert "in stuck_before_its_sum" in capfd.readouterr().err
+
+
+def test_replicas_sum_after_the_trainer_used_its_cpu_threads(monkeypatch):
+    """On a host with more cores than replicas, a replica forked after the trainer's parallel CPU work sums a
+    model's worth of floats: GNU OpenMP's pool does not survive a fork, and a replica that used one hung in its
+    first parallel copy (both replicas of the first GPU runs, at their first sum)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4 * max(2, torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.randn(4_000_000).mul_(2)  # the trainer's own parallel region, before the fork
+    n = 4_000_000
+    replicas = Replicas(2, floats=n, timeout_s=20)
+
+    def replica() -> None:
+        gradient = torch.full((n,), float(replicas.index + 1))
+        replicas.sum([gradient])
+        if not torch.equal(gradient, torch.full((n,), 3.0)):
+            raise AssertionError("the replicas' sum is not 1 + 2")
+
+    try:
+        replicas.run(replica)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_steps_pack_every_sample_once_an_epoch_into_rows_within_their_limits(items):
