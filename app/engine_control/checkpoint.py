@@ -121,8 +121,8 @@ class DemoCheckpoint:
         log.info("demo_checkpoint_installed", path=str(self.path), shipped=str(self.shipped))
 
     def _copy_verified(self, partial: Path) -> None:
-        """Copy every file SHA256SUMS names into `partial`, hashing what is copied; then SHA256SUMS itself, which
-        marks a complete install."""
+        """Copy every file SHA256SUMS names into `partial`, hashing what is copied; then SHA256SUMS as it was read,
+        which marks a complete install."""
         sums_path = self.shipped / SUMS
         try:
             sums = sums_path.read_text()
@@ -141,7 +141,7 @@ class DemoCheckpoint:
             got = self._copy(self.shipped / name, partial / name)
             if got != digest:
                 raise InstallError(f"{self.shipped / name} has sha256 {got}, but {SUMS} says {digest}")
-        shutil.copyfile(sums_path, partial / SUMS)
+        (partial / SUMS).write_text(sums)
 
     def _copy(self, source: Path, target: Path) -> str:
         digest = hashlib.sha256()
