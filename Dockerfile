@@ -103,7 +103,7 @@ ENV FLASHGATE_BUILD="${FLASHGATE_VERSION}+${FLASHGATE_COMMIT}" \
 USER 10001:10001
 WORKDIR /opt/flashgate
 # The database, evidence, engine logs and Triton's kernel cache. Models come read-only at /models (compose.yaml);
-# without a mount, /models is the container's own, where the console can make the tiny CPU demo checkpoint.
+# without a mount, /models is the container's own, where the console can install the shipped demo model.
 VOLUME ["/data"]
 # The console and the agents' route; the engine's port (30000) stays inside.
 EXPOSE 8080

@@ -34,7 +34,7 @@ from app.auth.service import CSRF_SECRET, ENV_ADMIN, appliance_secret, bootstrap
 from app.auth.throttle import AttemptLimit
 from app.console import console_error, console_router
 from app.db import create_db_engine, migrate, session_provider
-from app.engine_control.checkpoint import TinyCheckpoint
+from app.engine_control.checkpoint import DemoCheckpoint
 from app.engine_control.controller import EngineController
 from app.engine_control.docker_driver import DockerDriver
 from app.engine_control.driver import EngineDriver
@@ -76,6 +76,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES_DIR = ROOT / "console" / "templates"
 STATIC_DIR = ROOT / "console" / "static"
 SEED_DIR = ROOT / "profiles"
+# The demo model the project ships (engine/tools/ship_demo.py writes it); cpu-demo serves its installed copy.
+DEMO_MODEL_DIR = ROOT / "engine" / "demo_model"
 BUILD_HEADER = "X-Flashgate-Build"
 
 
@@ -141,7 +143,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
     gpus = gpus or NvmlGpus()
     supervisor = Supervisor(settings, engine, make_driver(settings), gpus)
     telemetry = Telemetry(gpus, supervisor.target, settings.telemetry_interval_s)
-    checkpoint = TinyCheckpoint(settings.models_dir, settings.engine_logs_dir, engine)
+    checkpoint = DemoCheckpoint(DEMO_MODEL_DIR, settings.models_dir, engine)
     qualification = load_qualification_settings()
     slot = EngineSlot(engine, supervisor, settings.engine_boot_timeout_s)
     qualifier = Qualifier(settings, qualification, engine, slot, gpus, run_reading(settings))
@@ -156,7 +158,7 @@ def create_app(settings: Settings | None = None, gpus: Gpus | None = None) -> Li
         supervisor.recover()
         qualifier.recover()
         switch.recover()
-        checkpoint.ensure(settings.make_tiny)
+        checkpoint.ensure(settings.install_demo)
         telemetry.start()
         watch.start()
 

@@ -28,8 +28,9 @@ class Settings:
     # Engine logs are kept for this many of the latest starts.
     log_retention: int
     telemetry_interval_s: float
-    # Make the tiny CPU checkpoint on first start when FLASHGATE_MODELS_DIR/tiny is missing.
-    make_tiny: bool
+    # Install the shipped demo checkpoint (engine/demo_model) as FLASHGATE_MODELS_DIR/demo on start when it is missing
+    # or is not the one shipped.
+    install_demo: bool
     # The docker driver: the socket proxy, the pre-created engine container, and its host name on the network.
     docker_host: str
     docker_container: str
@@ -118,6 +119,12 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
     supervisor = env.get("FLASHGATE_SUPERVISOR", "process")
     if supervisor not in SUPERVISORS:
         raise ValueError(f"FLASHGATE_SUPERVISOR must be 'process' or 'docker', got {supervisor!r}")
+    if "FLASHGATE_MAKE_TINY" in env:
+        # The console no longer makes the random tiny checkpoint: cpu-demo serves the shipped demo model.
+        raise ValueError(
+            "FLASHGATE_MAKE_TINY is gone: the console installs the shipped demo model instead of making the tiny "
+            "one; set FLASHGATE_INSTALL_DEMO (1 or 0) in its place"
+        )
     return Settings(
         data_dir=data_dir,
         models_dir=Path(env.get("FLASHGATE_MODELS_DIR", str(data_dir / "models"))).resolve(),
@@ -132,7 +139,7 @@ def load_settings(env: dict[str, str] | None = None) -> Settings:
         engine_health_timeout_s=_positive(env, "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S", "30", float),
         log_retention=_positive(env, "FLASHGATE_LOG_RETENTION", "20", int),
         telemetry_interval_s=_positive(env, "FLASHGATE_TELEMETRY_INTERVAL_S", "2", float),
-        make_tiny=_flag(env.get("FLASHGATE_MAKE_TINY")) is not False,
+        install_demo=_flag(env.get("FLASHGATE_INSTALL_DEMO")) is not False,
         docker_host=env.get("FLASHGATE_DOCKER_HOST", "tcp://docker-proxy:2375"),
         docker_container=env.get("FLASHGATE_DOCKER_CONTAINER", "flashgate-engine"),
         docker_engine_host=env.get("FLASHGATE_DOCKER_ENGINE_HOST", "engine"),

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import copy_demo_model
+
 # Seconds of test time per marker for one CPU run (2 cores). "unmarked" is everything else. CI should stay under
 # ~40 minutes; these budgets keep each part honest and make a slow new test fail loudly instead of creeping.
 # "container" includes building the image (make image-cpu, cached layers after the first build in a run). On
@@ -88,4 +90,13 @@ def tiny_models_dir(tmp_path_factory) -> Path:
     as the console makes it)."""
     models = tmp_path_factory.mktemp("models")
     subprocess.run([sys.executable, "-m", "engine.tools.make_tiny", "--out", str(models / "tiny")], check=True)
+    return models
+
+
+@pytest.fixture(scope="session")
+def demo_models_dir(tmp_path_factory) -> Path:
+    """A models directory holding the shipped demo model as `demo`, as the console installs it on first start: what
+    cpu-demo serves."""
+    models = tmp_path_factory.mktemp("models")
+    copy_demo_model(models)
     return models

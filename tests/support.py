@@ -1,11 +1,13 @@
 """What the console, browser, packaging, API and route tests share: free ports, waiting on a process or its output,
-the console as a real process (`python -m app`), and signing in through the console's form."""
+the console as a real process (`python -m app`), signing in through the console's form, and the shipped demo model
+in a models directory."""
 
 from __future__ import annotations
 
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +20,19 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL_DIR = ROOT / "engine" / "demo_model"
+
+
+def copy_demo_model(models_dir: Path, name: str = "demo") -> Path:
+    """The shipped demo model (engine/demo_model) as the console installs it: each file SHA256SUMS names, and
+    SHA256SUMS itself, into `models_dir / name`. A console whose models directory holds it as `demo` installs nothing
+    more."""
+    target = models_dir / name
+    target.mkdir(parents=True)
+    sums = (DEMO_MODEL_DIR / "SHA256SUMS").read_text()
+    for file in [line.split(maxsplit=1)[1] for line in sums.splitlines()] + ["SHA256SUMS"]:
+        shutil.copyfile(DEMO_MODEL_DIR / file, target / file)
+    return target
 
 
 def free_port() -> int:

@@ -1,12 +1,15 @@
-"""The tiny CPU checkpoint the cpu-demo profile serves, made on first start by the engine's own tool as a subprocess
-(`python -m engine.tools.make_tiny`), in the background, into a hidden directory renamed into place when complete:
-the profile shows "weights missing" until then, never half a checkpoint."""
+"""The demo checkpoint the cpu-demo profile serves: the trained model the project ships in engine/demo_model/,
+installed on first start into FLASHGATE_MODELS_DIR/demo, in the background. Every file is copied into a hidden
+directory and checked against the shipped SHA256SUMS as it is copied; only a complete, matching copy is renamed into
+place, so the profile shows "weights missing" until then, and never half a checkpoint or one that does not match.
+A later start whose shipped model differs from the installed one (a new image, the model replaced) installs it
+again, the old one serving until the new one is in place."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shutil
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -19,18 +22,21 @@ from sqlmodel import Session
 
 from app.audit import service as audit
 from app.db import utcnow
-from app.engine_control.logfiles import tail_lines
 
 log = structlog.get_logger(__name__)
 
-TINY = "tiny"
+DEMO = "demo"
+SUMS = "SHA256SUMS"
+# sha256sum's line: the digest, a space, a space (text) or `*` (binary), the file's name.
+SUMS_LINE = re.compile(r"(?P<digest>[0-9a-f]{64}) [ *](?P<name>[^/\\]+)")
+CHUNK = 1 << 20
 
 
 class CheckpointState(StrEnum):
     present = "present"
-    making = "making"
+    installing = "installing"
     failed = "failed"
-    # Missing, and FLASHGATE_MAKE_TINY=0 says not to make it.
+    # Missing, and FLASHGATE_INSTALL_DEMO=0 says not to install it.
     missing = "missing"
 
 
@@ -43,27 +49,44 @@ class CheckpointStatus:
     detail: str | None = None
 
 
-class TinyCheckpoint:
-    def __init__(self, models_dir: Path, logs_dir: Path, db: Engine) -> None:
-        self.path = models_dir / TINY
-        self.log_path = logs_dir / "make-tiny.log"
+def _read_sums(directory: Path) -> str | None:
+    try:
+        return (directory / SUMS).read_text()
+    except OSError:
+        return None
+
+
+class InstallError(Exception):
+    """Why the shipped checkpoint cannot be installed; its message is the status's detail."""
+
+
+class DemoCheckpoint:
+    def __init__(self, shipped: Path, models_dir: Path, db: Engine) -> None:
+        self.shipped = shipped
+        self.path = models_dir / DEMO
         self.db = db
         self._status = CheckpointStatus(CheckpointState.missing, self.path)
         self._thread: threading.Thread | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
 
     def status(self) -> CheckpointStatus:
-        if self._status.state is not CheckpointState.making and (self.path / "config.json").is_file():
-            return replace(self._status, state=CheckpointState.present)
-        return self._status
+        """Installing and failed are this console's to say; otherwise the models directory says present or missing
+        (an operator may remove it)."""
+        if self._status.state in (CheckpointState.installing, CheckpointState.failed):
+            return self._status
+        present = (self.path / "config.json").is_file()
+        return replace(self._status, state=CheckpointState.present if present else CheckpointState.missing)
 
-    def ensure(self, make: bool) -> None:
-        """Start making the checkpoint in the background when it is missing and `make` allows."""
-        if not make or self.status().state is CheckpointState.present:
+    def ensure(self, install: bool) -> None:
+        """Start installing the shipped checkpoint in the background when `install` allows and the one at the models
+        directory is missing or is not the one shipped (its SHA256SUMS differs)."""
+        installed = _read_sums(self.path)
+        if not install or (installed is not None and installed == _read_sums(self.shipped)):
             return
-        self._status = CheckpointStatus(CheckpointState.making, self.path, started_at=utcnow())
-        self._record("checkpoint.make", {"path": str(self.path)})
-        self._thread = threading.Thread(target=self._make, name="make-tiny", daemon=True)
+        self._status = CheckpointStatus(CheckpointState.installing, self.path, started_at=utcnow())
+        replaces = self.path.exists()
+        self._record("checkpoint.install", {"from": str(self.shipped), "path": str(self.path), "replaces": replaces})
+        self._thread = threading.Thread(target=self._install, name="install-demo", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -71,41 +94,66 @@ class TinyCheckpoint:
             self._thread.join(timeout)
 
     def stop(self) -> None:
-        """At console shutdown: a half-made checkpoint is discarded (and made again at the next start)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
+        """At console shutdown: a half-copied checkpoint is discarded (and installed again at the next start)."""
+        self._stopping.set()
         self.wait(10)
 
-    def _make(self) -> None:
-        partial = self.path.with_name(f".{TINY}.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("w") as out:
-            try:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "engine.tools.make_tiny", "--out", str(partial)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-                code = self._proc.wait()
-            except OSError as exc:
-                out.write(f"could not run {sys.executable}: {exc}\n")
-                code = None
-        if code == 0:
+    def _install(self) -> None:
+        partial = self.path.with_name(f".{DEMO}.partial")
+        old = self.path.with_name(f".{DEMO}.old")
+        try:
+            for leftover in (partial, old):
+                shutil.rmtree(leftover, ignore_errors=True)
+            self._copy_verified(partial)
+            if self.path.exists():
+                self.path.rename(old)
             partial.rename(self.path)
-            self._status = replace(self._status, state=CheckpointState.present, finished_at=utcnow())
-            self._record("checkpoint.made", {"path": str(self.path)})
-            log.info("tiny_checkpoint_made", path=str(self.path))
+            shutil.rmtree(old, ignore_errors=True)
+        except (InstallError, OSError) as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            detail = f"the demo checkpoint could not be installed into {self.path}: {exc}"
+            self._status = replace(self._status, state=CheckpointState.failed, finished_at=utcnow(), detail=detail)
+            self._record("checkpoint.failed", {"path": str(self.path), "detail": detail})
+            log.error("demo_checkpoint_failed", detail=detail)
             return
-        shutil.rmtree(partial, ignore_errors=True)
-        last = " | ".join(tail_lines(self.log_path, 5))
-        detail = f"python -m engine.tools.make_tiny failed (exit code {code}): {last}"
-        self._status = replace(self._status, state=CheckpointState.failed, finished_at=utcnow(), detail=detail)
-        self._record("checkpoint.failed", {"path": str(self.path), "detail": detail})
-        log.error("tiny_checkpoint_failed", detail=detail, log=str(self.log_path))
+        self._status = replace(self._status, state=CheckpointState.present, finished_at=utcnow())
+        self._record("checkpoint.installed", {"path": str(self.path)})
+        log.info("demo_checkpoint_installed", path=str(self.path), shipped=str(self.shipped))
 
-    def _record(self, action: str, after: dict[str, str]) -> None:
+    def _copy_verified(self, partial: Path) -> None:
+        """Copy every file SHA256SUMS names into `partial`, hashing what is copied; then SHA256SUMS as it was read,
+        which marks a complete install."""
+        sums_path = self.shipped / SUMS
+        try:
+            sums = sums_path.read_text()
+        except OSError as exc:
+            raise InstallError(f"no shipped demo model: {sums_path} cannot be read ({exc.strerror})") from exc
+        expected = {}
+        for number, line in enumerate(sums.splitlines(), 1):
+            match = SUMS_LINE.fullmatch(line)
+            if match is None or match["name"] in (".", ".."):
+                raise InstallError(f"{sums_path}, line {number}: not a sha256sum line (DIGEST  NAME): {line!r}")
+            expected[match["name"]] = match["digest"]
+        if "config.json" not in expected:
+            raise InstallError(f"{sums_path} lists no config.json")
+        partial.mkdir(parents=True)
+        for name, digest in expected.items():
+            got = self._copy(self.shipped / name, partial / name)
+            if got != digest:
+                raise InstallError(f"{self.shipped / name} has sha256 {got}, but {SUMS} says {digest}")
+        (partial / SUMS).write_text(sums)
+
+    def _copy(self, source: Path, target: Path) -> str:
+        digest = hashlib.sha256()
+        with source.open("rb") as src, target.open("wb") as dst:
+            while chunk := src.read(CHUNK):
+                if self._stopping.is_set():
+                    raise InstallError("the console stopped while installing it")
+                digest.update(chunk)
+                dst.write(chunk)
+        return digest.hexdigest()
+
+    def _record(self, action: str, after: dict[str, str | bool]) -> None:
         with Session(self.db) as session:
-            audit.record(session, "system", action, f"checkpoint:{TINY}", after=after)
+            audit.record(session, "system", action, f"checkpoint:{DEMO}", after=after)
             session.commit()

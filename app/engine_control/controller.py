@@ -13,7 +13,7 @@ from sqlmodel import Session
 
 from app.auth.guards import requires_operator, requires_viewer
 from app.engine_control import service
-from app.engine_control.checkpoint import TinyCheckpoint
+from app.engine_control.checkpoint import DemoCheckpoint
 from app.engine_control.schemas import EngineRead, LogTail, RestartRequest, RunRead, StartRequest
 from app.engine_control.slot import EngineSlot, Locked
 from app.errors import Conflict
@@ -23,7 +23,7 @@ def provide_slot(state: State) -> EngineSlot:
     return state.slot
 
 
-def provide_checkpoint(state: State) -> TinyCheckpoint:
+def provide_checkpoint(state: State) -> DemoCheckpoint:
     return state.checkpoint
 
 
@@ -44,7 +44,7 @@ class EngineController(Controller):
         self,
         db_session: NamedDependency[Session],
         slot: NamedDependency[EngineSlot],
-        checkpoint: NamedDependency[TinyCheckpoint],
+        checkpoint: NamedDependency[DemoCheckpoint],
     ) -> EngineRead:
         """The engine's state (`idle` before any run, else the latest run's), its profile, boot stages, pid or
         container, KV capacity from /server_info, and the last error with the last log lines."""
@@ -63,7 +63,7 @@ class EngineController(Controller):
         request: Request,
         db_session: NamedDependency[Session],
         slot: NamedDependency[EngineSlot],
-        checkpoint: NamedDependency[TinyCheckpoint],
+        checkpoint: NamedDependency[DemoCheckpoint],
         data: JSONBody[StartRequest],
     ) -> EngineRead:
         """Preflight, then start the engine with a profile; answers at once with state `starting` (poll
@@ -87,7 +87,7 @@ class EngineController(Controller):
         request: Request,
         db_session: NamedDependency[Session],
         slot: NamedDependency[EngineSlot],
-        checkpoint: NamedDependency[TinyCheckpoint],
+        checkpoint: NamedDependency[DemoCheckpoint],
     ) -> EngineRead:
         """SIGTERM, up to FLASHGATE_ENGINE_GRACE_S to finish, then a kill; answers when the engine is gone, with
         whether the GPU memory came back. 409 when no engine runs. Production stopped here stays stopped when the
@@ -110,7 +110,7 @@ class EngineController(Controller):
         request: Request,
         db_session: NamedDependency[Session],
         slot: NamedDependency[EngineSlot],
-        checkpoint: NamedDependency[TinyCheckpoint],
+        checkpoint: NamedDependency[DemoCheckpoint],
         data: JSONBody[RestartRequest | None] = None,
     ) -> EngineRead:
         """Stop the running engine (if any) and start `profile`, by default (or with no body) the latest run's

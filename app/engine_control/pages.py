@@ -20,7 +20,7 @@ from app.audit.alerts import alerts
 from app.auth.guards import requires_operator, requires_viewer
 from app.console import redirect
 from app.engine_control import service
-from app.engine_control.checkpoint import TinyCheckpoint
+from app.engine_control.checkpoint import DemoCheckpoint
 from app.engine_control.schemas import RunRead
 from app.engine_control.slot import EngineSlot
 from app.errors import FieldError, InvalidFields
@@ -42,7 +42,7 @@ class Dashboard:
     session: Session
     settings: Settings
     slot: EngineSlot
-    checkpoint: TinyCheckpoint
+    checkpoint: DemoCheckpoint
     telemetry: Telemetry
     profile_facts: ProfileFacts
 

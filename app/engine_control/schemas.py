@@ -83,7 +83,7 @@ class RunRead(msgspec.Struct, kw_only=True):
 
 
 class CheckpointRead(msgspec.Struct):
-    """The tiny CPU checkpoint the console makes on first start."""
+    """The shipped demo checkpoint (cpu-demo's) the console installs on first start."""
 
     state: CheckpointState
     path: str

@@ -9,7 +9,7 @@ from litestar.exceptions import NotFoundException
 from sqlmodel import Session, col, select
 
 from app.engine_control import logfiles
-from app.engine_control.checkpoint import TinyCheckpoint
+from app.engine_control.checkpoint import DemoCheckpoint
 from app.engine_control.models import EngineRun
 from app.engine_control.schemas import (
     IDLE,
@@ -82,12 +82,12 @@ def get_run(session: Session, run_id: int) -> RunRead:
     return read_run(run, session.get(Profile, run.profile_id).name)
 
 
-def read_checkpoint(checkpoint: TinyCheckpoint) -> CheckpointRead:
+def read_checkpoint(checkpoint: DemoCheckpoint) -> CheckpointRead:
     status = checkpoint.status()
     return CheckpointRead(status.state, str(status.path), status.started_at, status.finished_at, status.detail)
 
 
-def engine_status(session: Session, slot: EngineSlot, checkpoint: TinyCheckpoint) -> EngineRead:
+def engine_status(session: Session, slot: EngineSlot, checkpoint: DemoCheckpoint) -> EngineRead:
     latest = next(iter(list_runs(session, 1)), None)
     supervisor, holder = slot.supervisor, slot.holder
     return EngineRead(

@@ -16,7 +16,7 @@ ALERT = "production 'demo' (engine run #7): crash: the engine exited with exit c
 
 
 def test_make_copy_and_revoke_a_key_and_acknowledge_an_alert(start_console, browser):
-    console = start_console(FLASHGATE_MAKE_TINY="0")
+    console = start_console(FLASHGATE_INSTALL_DEMO="0")
     with sqlite3.connect(console.data_dir / "flashgate.sqlite3") as conn:
         conn.execute(
             "INSERT INTO alert (at, level, profile, message) VALUES (datetime('now'), 'warning', 'demo', ?)", (ALERT,)

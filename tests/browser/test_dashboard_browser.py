@@ -1,6 +1,6 @@
-"""An operator runs the engine from the dashboard of a real console process: the console makes the tiny checkpoint on
-first start, the operator makes a child of cpu-demo with another context length, starts the engine with it and
-watches the KV capacity appear (the page is never reloaded), sees the history fill while requests run, and stops
+"""An operator runs the engine from the dashboard of a real console process: the console installs the shipped demo
+model on first start, the operator makes a child of cpu-demo with another context length, starts the engine with it
+and watches the KV capacity appear (the page is never reloaded), sees the history fill while requests run, and stops
 it. Screenshots land in test-artifacts/."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_start_watch_and_stop_the_engine_from_the_dashboard(start_console, brows
     expect(page).to_have_url(f"{url}/profiles/cpu-demo-1k")
 
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Dashboard").click()
-    # The console made the tiny checkpoint in the background; the profile becomes startable when it is there.
+    # The console installs the demo model in the background; the profile becomes startable when it is there.
     option = page.locator('#start-profile option[value="cpu-demo-1k"]')
     expect(option).to_be_enabled(timeout=90_000)
     page.evaluate("window.flashgateNotReloaded = true")

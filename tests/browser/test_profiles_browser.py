@@ -12,8 +12,8 @@ pytestmark = BROWSER
 
 
 def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
-    # This test needs cpu-demo's "weights missing": no tiny checkpoint.
-    console_url = start_console(FLASHGATE_MAKE_TINY="0").url
+    # This test needs cpu-demo's "weights missing": no demo model installed.
+    console_url = start_console(FLASHGATE_INSTALL_DEMO="0").url
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.set_default_timeout(10_000)
     page.goto(f"{console_url}/profiles")
@@ -27,7 +27,7 @@ def test_make_a_child_of_cpu_demo_in_the_browser(start_console, browser):
     # Qualify is off, and says what it needs.
     expect(page.get_by_role("button", name="Qualify")).to_be_disabled()
     expect(page.locator("#qualify-blocked")).to_contain_text("its checkpoint (config.json and *.safetensors) in ")
-    expect(page.locator("#qualify-blocked")).to_contain_text("/tiny")
+    expect(page.locator("#qualify-blocked")).to_contain_text("/demo")
     page.get_by_role("link", name="Make a child").click()
 
     # Settings are labelled in words, with their unit and what bounds them beside the field.

@@ -1,5 +1,5 @@
-"""An operator qualifies and promotes in a real console process with the real engine (the tiny CPU checkpoint the
-console makes on first start). The setup, through the API, qualifies A and promotes it with waivers, then starts
+"""An operator qualifies and promotes in a real console process with the real engine (the shipped demo model the
+console installs on first start). The setup, through the API, qualifies A and promotes it with waivers, then starts
 B's run (which drains A, stops it and restores it afterwards). In the browser the operator watches B's run live,
 reads the proposal, approves B with a waiver per failed gate, sees the roles change, and rolls back to A.
 Screenshots land in test-artifacts/."""

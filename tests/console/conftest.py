@@ -49,9 +49,13 @@ def make_app(data_dir: Path) -> Callable[..., Litestar]:
     """Build the app on the test's data directory; call again to "restart" on the same database file."""
 
     def make(**env: str) -> Litestar:
-        """`FLASHGATE_ADMIN_TOKEN=""` starts without an admin token (the setup-token path). The tiny checkpoint is
-        not made unless a test asks (`FLASHGATE_MAKE_TINY="1"`): most tests want "weights missing"."""
-        base = {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_MAKE_TINY": "0"}
+        """`FLASHGATE_ADMIN_TOKEN=""` starts without an admin token (the setup-token path). The demo model is not
+        installed unless a test asks (`FLASHGATE_INSTALL_DEMO="1"`): most tests want "weights missing"."""
+        base = {
+            "FLASHGATE_DATA_DIR": str(data_dir),
+            "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "FLASHGATE_INSTALL_DEMO": "0",
+        }
         return create_app(load_settings({**base, **env}))
 
     return make
@@ -97,16 +101,16 @@ def sign_in_fixture(client: TestClient) -> Callable[[str, str], str]:
 
 
 @pytest.fixture
-def gpu_console(data_dir, tiny_models_dir):
+def gpu_console(data_dir, demo_models_dir):
     """The console on a "GPU host": the real NVML code over the fake pynvml, weights present."""
 
     def make(nvml: FakeNvml) -> TestClient:
         settings = load_settings(
             {
                 "FLASHGATE_DATA_DIR": str(data_dir),
-                "FLASHGATE_MODELS_DIR": str(tiny_models_dir),
+                "FLASHGATE_MODELS_DIR": str(demo_models_dir),
                 "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-                "FLASHGATE_MAKE_TINY": "0",
+                "FLASHGATE_INSTALL_DEMO": "0",
                 "FLASHGATE_TELEMETRY_INTERVAL_S": "0.2",
             }
         )

@@ -41,7 +41,7 @@ def test_make_a_child_through_the_form_with_htmx(client, otto, data_dir):
         "_csrf_token": otto,
         "name": "cpu-demo-2k",
         "rationale": "half the context",
-        "model": "tiny",
+        "model": "demo",
         "revision": "",
         "dtype": "float32",
         "context_length": "2048",

@@ -45,7 +45,7 @@ def test_preflight_refuses_missing_weights_naming_the_path(client, operator, dat
     before = counts(data_dir)
     response = client.post("/api/engine/start", json={"profile": "cpu-demo"}, headers=operator)
     assert response.status_code == 409
-    path = data_dir / "models" / "tiny"
+    path = data_dir / "models" / "demo"
     assert response.json()["detail"] == f"preflight refused profile 'cpu-demo': weights missing: {path} does not exist"
     checks = {c["name"]: c for c in response.json()["extra"]}
     assert checks["weights"]["status"] == "fail"

@@ -1,5 +1,5 @@
 """The supervisor through the console's API and pages, on a real SQLite file, against both drivers through the one
-interface: `process` runs the real engine as the console's child (the tiny checkpoint on CPU); `docker` drives the
+interface: `process` runs the real engine as the console's child (the shipped demo model on CPU); `docker` drives the
 recorded Docker Engine API (docker_replay.py), with a real engine standing in for the container's process on the
 URL the driver reads /health, /server_info and /metrics from. Start → ready → KV capacity as /server_info says →
 stop; a second start refused naming the running profile; a restart; a crash shows the last log lines; a hang
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # The acceptance limits: small enough for a CPU, and a child of cpu-demo that changes one thing from its parent.
-PROFILE = "tiny-1k"
+PROFILE = "demo-1k"
 LIMITS = {"context_length": 1024, "max_num_seqs": 2, "max_num_batched_tokens": 256, "cuda_graph_max_bs": 1}
 GRACE_S = 10
 HEALTH_TIMEOUT_S = 2
@@ -87,7 +87,7 @@ def _settings(data_dir: Path, models_dir: Path, **env: str):
             "FLASHGATE_DATA_DIR": str(data_dir),
             "FLASHGATE_MODELS_DIR": str(models_dir),
             "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "FLASHGATE_MAKE_TINY": "0",
+            "FLASHGATE_INSTALL_DEMO": "0",
             "FLASHGATE_ENGINE_GRACE_S": str(GRACE_S),
             "FLASHGATE_ENGINE_HEALTH_TIMEOUT_S": str(HEALTH_TIMEOUT_S),
             "FLASHGATE_TELEMETRY_INTERVAL_S": "0.5",
@@ -99,7 +99,7 @@ def _settings(data_dir: Path, models_dir: Path, **env: str):
 
 def _stand_in_engine(models_dir: Path, port: int, log: Path) -> subprocess.Popen:
     """The real engine the docker driver talks to over HTTP: what the container would run."""
-    args = ["--model", str(models_dir / "tiny"), "--served-model-name", PROFILE, "--dtype", "float32"]
+    args = ["--model", str(models_dir / "demo"), "--served-model-name", PROFILE, "--dtype", "float32"]
     args += ["--context-length", "1024", "--max-num-seqs", "2", "--max-num-batched-tokens", "256"]
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -118,11 +118,11 @@ def _stand_in_engine(models_dir: Path, port: int, log: Path) -> subprocess.Popen
 
 
 @pytest.fixture(scope="module", params=["process", "docker"])
-def console(request, tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
+def console(request, tmp_path_factory, demo_models_dir) -> Iterator[Console]:
     data_dir = tmp_path_factory.mktemp(f"console-{request.param}") / "data"
     port = free_port()
     if request.param == "process":
-        app = create_app(_settings(data_dir, tiny_models_dir, FLASHGATE_ENGINE_PORT=str(port)))
+        app = create_app(_settings(data_dir, demo_models_dir, FLASHGATE_ENGINE_PORT=str(port)))
         with TestClient(app) as client:
             yield Console(
                 "process",
@@ -133,12 +133,12 @@ def console(request, tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
                 hang=lambda run: os.kill(run["pid"], signal.SIGSTOP),
             )
         return
-    stand_in = _stand_in_engine(tiny_models_dir, port, data_dir.parent / "stand-in.log")
+    stand_in = _stand_in_engine(demo_models_dir, port, data_dir.parent / "stand-in.log")
     try:
         with DockerReplay() as replay:
             settings = _settings(
                 data_dir,
-                tiny_models_dir,
+                demo_models_dir,
                 FLASHGATE_SUPERVISOR="docker",
                 FLASHGATE_DOCKER_HOST=replay.base_url,
                 FLASHGATE_DOCKER_ENGINE_HOST="127.0.0.1",
@@ -161,7 +161,7 @@ def console(request, tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def tiny_1k(console: Console) -> None:
+def demo_1k(console: Console) -> None:
     response = console.client.post(
         "/api/profiles/cpu-demo/children",
         json={"name": PROFILE, "rationale": "the acceptance limits: a CPU holds them", **LIMITS},

@@ -127,9 +127,9 @@ def test_every_rule_is_a_422_naming_field_and_limit_and_writes_nothing(client, o
 
 
 def test_context_length_is_limited_by_the_model_config(client, operator, data_dir):
-    tiny = data_dir / "models" / "tiny"
-    tiny.mkdir(parents=True)
-    (tiny / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    demo = data_dir / "models" / "demo"
+    demo.mkdir(parents=True)
+    (demo / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     response = client.post(
         "/api/profiles/cpu-demo/children",
         json={"name": "cpu-demo-8k", "rationale": "longer", "context_length": 8192},

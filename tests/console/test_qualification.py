@@ -1,5 +1,5 @@
 """Qualification and promotion end to end, on a real SQLite file with the real engine as the console's child (the
-tiny checkpoint on CPU), no mocks. The ladder is slow, so each profile is qualified once for the module and the
+shipped demo model on CPU), no mocks. The ladder is slow, so each profile is qualified once for the module and the
 tests walk one story in order:
 
 A (a 1K child of cpu-demo) is qualified: structural gates pass, capability gates fail with their evidence, which is
@@ -12,7 +12,6 @@ leaves its audit rows."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,12 +24,12 @@ from litestar.testing import TestClient
 from app.main import create_app
 from app.settings import load_settings
 from tests.console.conftest import ADMIN_TOKEN
-from tests.support import free_port, sign_in
+from tests.support import copy_demo_model, free_port, sign_in
 
 pytestmark = pytest.mark.slow
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-A, B = "tiny-q1k", "tiny-q1k-b"
+A, B = "demo-q1k", "demo-q1k-b"
 STRUCTURAL = ("readiness", "post_stress_smoke", "client_shapes", "performance", "log_scan")
 CAPABILITY = ("smoke", "json", "tools", "streaming_tools", "tool_result", "responses", "needle")
 FINISHED = ("passed", "failed", "aborted")
@@ -80,7 +79,7 @@ class Console:
 
 def waivers_for(run: dict) -> list[dict]:
     return [
-        {"gate": g["name"], "reason": f"the tiny CPU model cannot answer {g['name']}: a demo, not an agent"}
+        {"gate": g["name"], "reason": f"the CPU demo model cannot answer {g['name']}: a demo, not an agent"}
         for g in run["gates"]
         if g["status"] == "failed"
     ]
@@ -96,23 +95,23 @@ def build() -> Iterator[pytest.MonkeyPatch]:
 
 
 @pytest.fixture(scope="module")
-def console(tmp_path_factory, tiny_models_dir, build) -> Iterator[Console]:
+def console(tmp_path_factory, build) -> Iterator[Console]:
     models = tmp_path_factory.mktemp("q-models")
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny-b")  # B's own copy: the one corrupted later
+    copy_demo_model(models)
+    copy_demo_model(models, "demo-b")  # B's own copy: the one corrupted later
     port = free_port()
     settings = load_settings(
         {
             "FLASHGATE_DATA_DIR": str(tmp_path_factory.mktemp("q-console") / "data"),
             "FLASHGATE_MODELS_DIR": str(models),
             "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "FLASHGATE_MAKE_TINY": "0",
+            "FLASHGATE_INSTALL_DEMO": "0",
             "FLASHGATE_ENGINE_PORT": str(port),
             "FLASHGATE_ENGINE_GRACE_S": "10",
         }
     )
     with TestClient(create_app(settings)) as client:
-        for name, parent, change in ((A, "cpu-demo", {"context_length": 1024}), (B, A, {"model": "tiny-b"})):
+        for name, parent, change in ((A, "cpu-demo", {"context_length": 1024}), (B, A, {"model": "demo-b"})):
             created = client.post(
                 f"/api/profiles/{parent}/children",
                 json={"name": name, "rationale": "the qualification acceptance limits", **change},
@@ -359,9 +358,9 @@ def test_a_second_profile_is_promoted_then_rolled_back(console: Console, run_b: 
 def test_a_target_that_fails_to_start_restores_production(console: Console, run_b: dict):
     # Corrupt B's weights after its qualification without changing any file's size: the fingerprint (names, sizes,
     # tensor headers) cannot see it, so only the switch itself finds out.
-    config = console.models_dir / "tiny-b" / "config.json"
+    config = console.models_dir / "demo-b" / "config.json"
     text = config.read_text()
-    config.write_text(text.replace('"hidden_size": 256', '"hidden_size": 255', 1))
+    config.write_text(text.replace('"hidden_size": 320', '"hidden_size": 319', 1))
     assert len(config.read_text()) == len(text) and config.read_text() != text
     assert not console.get(f"/api/qualifications/{run_b['id']}")["staleness"]["stale"]
 
@@ -396,14 +395,14 @@ def test_an_engine_that_cannot_start_stops_the_ladder_but_not_the_log_scan(conso
     created = console.client.post(
         f"/api/profiles/{A}/children",
         json={
-            "name": "tiny-q1k-broken",
+            "name": "demo-q1k-broken",
             "rationale": "an engine arg it refuses",
             "engine_extras": {"shutdown_grace_s": -1},
         },
         headers=ADMIN,
     )
     assert created.status_code == 201, created.text
-    run = console.qualify("tiny-q1k-broken", confirm_downtime=True)
+    run = console.qualify("demo-q1k-broken", confirm_downtime=True)
     assert run["status"] == "aborted" and run["stop_reason"].startswith("the engine did not get ready: ")
     assert "shutdown_grace_s must be >= 0" in gate(run, "readiness")["summary"]
     needs_engine = [g for g in run["gates"] if g["name"] not in ("readiness", "vram_reserve", "log_scan")]
@@ -412,10 +411,10 @@ def test_an_engine_that_cannot_start_stops_the_ladder_but_not_the_log_scan(conso
     assert run["proposal"]["recommendation"] == "none"
     # Whatever the decision and its waivers: the run was aborted, not a 422 about the gates it never ran.
     for body in (
-        {"decision": "promote", "reason": "try", "confirm": "tiny-q1k-broken", "waivers": [{"gate": "tools"}]},
+        {"decision": "promote", "reason": "try", "confirm": "demo-q1k-broken", "waivers": [{"gate": "tools"}]},
         {"decision": "reject", "reason": "it cannot start"},
     ):
-        refused = console.decide("tiny-q1k-broken", **body)
+        refused = console.decide("demo-q1k-broken", **body)
         assert refused.status_code == 409 and "was aborted" in refused.json()["detail"], refused.text
     assert run["disruption"]["restored"] and console.engine()["profile"] == A
 
@@ -423,9 +422,9 @@ def test_an_engine_that_cannot_start_stops_the_ladder_but_not_the_log_scan(conso
 def test_a_run_that_cannot_restore_production_raises_an_alert(console: Console):
     # Production's weights vanish while a run holds the engine: the run aborts, its restore fails, and the alert says
     # so instead of leaving a route that looks normal with nothing serving it.
-    weights, moved = console.models_dir / "tiny", console.models_dir / "tiny-away"
+    weights, moved = console.models_dir / "demo", console.models_dir / "demo-away"
     try:
-        run = console.qualify("tiny-q1k-broken", during=lambda: weights.rename(moved), confirm_downtime=True)
+        run = console.qualify("demo-q1k-broken", during=lambda: weights.rename(moved), confirm_downtime=True)
     finally:
         moved.rename(weights)
     assert run["status"] == "aborted" and run["disruption"]["profile"] == A
@@ -445,7 +444,7 @@ def test_a_run_that_cannot_restore_production_raises_an_alert(console: Console):
 def test_a_new_engine_build_or_new_weights_make_the_evidence_stale(
     console: Console, run_a: dict, run_b: dict, build: pytest.MonkeyPatch
 ):
-    weights = console.models_dir / "tiny-b" / "model.safetensors"
+    weights = console.models_dir / "demo-b" / "model.safetensors"
     with weights.open("ab") as f:
         f.write(b"\0")  # a changed size: the fingerprint sees it
     stale_b = console.get(f"/api/qualifications/{run_b['id']}")

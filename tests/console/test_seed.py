@@ -71,7 +71,7 @@ def test_multi_gpu_profiles_load_with_their_mode(client, admin, name):
 def test_cpu_demo_is_seeded_with_weights_missing(client, admin):
     profile = client.get("/api/profiles/cpu-demo", headers=admin).json()
     expected = {
-        "model": "tiny",
+        "model": "demo",
         "dtype": "float32",
         "context_length": 4096,
         "max_num_batched_tokens": 512,
@@ -87,10 +87,10 @@ def test_cpu_demo_is_seeded_with_weights_missing(client, admin):
 
 
 def test_weights_present_once_the_checkpoint_exists(client, admin, data_dir):
-    tiny = data_dir / "models" / "tiny"
-    tiny.mkdir(parents=True)
-    (tiny / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    (tiny / "model.safetensors").write_bytes(b"")
+    demo = data_dir / "models" / "demo"
+    demo.mkdir(parents=True)
+    (demo / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (demo / "model.safetensors").write_bytes(b"")
     state = client.get("/api/profiles/cpu-demo", headers=admin).json()["state"]
     assert state["weights_present"] is True and state["blockers"] == []
     assert state["model_max_context"] == 4096

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import free_port
+from tests.support import copy_demo_model, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "flashgate:local"
@@ -136,10 +136,11 @@ def wait(predicate: Callable[[], bool], what: str, timeout: float, stack: Stack)
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory, tiny_models_dir) -> Path:
-    """The weights directory an operator mounts: the tiny checkpoint, readable by the container's user (10001)."""
+def models_dir(tmp_path_factory) -> Path:
+    """The weights directory an operator mounts: the shipped demo model as `demo` (docs/deploy.md, "A CPU host"),
+    readable by the container's user (10001)."""
     models = tmp_path_factory.mktemp("container-models")
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
+    copy_demo_model(models)
     for path in [models, *models.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     models.parent.chmod(0o755)

@@ -154,7 +154,7 @@ def test_gpu_file_adds_the_reservation_to_both_gpu_services_and_nothing_else():
 
 def test_console_settings_in_compose_match_the_console_defaults():
     """What compose passes to the console is what the console reads: fixed container paths, and the same defaults as
-    load_settings (README, "Settings"), except the tiny checkpoint that a read-only /models cannot hold."""
+    load_settings (README, "Settings"), except the demo model's install, which a read-only /models cannot hold."""
     env = compose()["services"]["flashgate"]["environment"]
     settings, defaults = load_settings(env), load_settings({})
     assert (str(settings.data_dir), str(settings.models_dir), settings.host, settings.port) == (
@@ -165,7 +165,7 @@ def test_console_settings_in_compose_match_the_console_defaults():
     )
     for field in ("supervisor", "admin_token", "engine_grace_s", "engine_boot_timeout_s", "engine_health_timeout_s"):
         assert getattr(settings, field) == getattr(defaults, field), field
-    assert settings.log_json is True and settings.make_tiny is False
+    assert settings.log_json is True and settings.install_demo is False
     overridden = load_settings(compose(OVERRIDES)["services"]["flashgate"]["environment"])
     assert overridden.supervisor == "docker" and overridden.admin_token == "fg_secret"
 

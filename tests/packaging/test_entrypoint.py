@@ -22,8 +22,7 @@ from app.engine_control.driver import EngineCommand, engine_args
 from app.main import BUILD_HEADER
 from app.profiles.models import Profile
 from app.settings import load_settings
-from engine.tools.make_tiny import make_tiny
-from tests.support import ROOT, OutputLines, free_port, terminate, wait_until
+from tests.support import ROOT, OutputLines, copy_demo_model, free_port, terminate, wait_until
 
 ENTRYPOINT = ROOT / "bin" / "flashgate"
 BUILD = "9.9.9+packaging-test"
@@ -82,7 +81,7 @@ def healthcheck(port: int) -> subprocess.CompletedProcess[str]:
 def test_console_mode_answers_healthz_with_the_build(tmp_path):
     port = free_port()
     env = entrypoint_env(
-        tmp_path / "data", FLASHGATE_PORT=str(port), FLASHGATE_MAKE_TINY="0", FLASHGATE_ADMIN_TOKEN="fg_pkg-test"
+        tmp_path / "data", FLASHGATE_PORT=str(port), FLASHGATE_INSTALL_DEMO="0", FLASHGATE_ADMIN_TOKEN="fg_pkg-test"
     )
     console = Running([], env)  # no command: the console, as the image's CMD and `make run` start it
     try:
@@ -104,7 +103,7 @@ def test_console_mode_answers_healthz_with_the_build(tmp_path):
     assert failed.returncode != 0 and f"127.0.0.1:{port}/healthz" in failed.stderr
 
 
-def _tiny_demo_command(models_dir: Path, port: int) -> EngineCommand:
+def _cpu_demo_command(models_dir: Path, port: int) -> EngineCommand:
     """The cpu-demo profile's engine command line, as the console builds it for the docker driver."""
     fields = yaml.safe_load((ROOT / "profiles" / "cpu-demo.yaml").read_text())
     profile = Profile(**fields, content_hash="packaging-test", created_by="test")
@@ -117,7 +116,7 @@ def _tiny_demo_command(models_dir: Path, port: int) -> EngineCommand:
 def test_engine_mode_waits_for_the_handoff_then_serves_it(tmp_path):
     data_dir, models_dir = tmp_path / "data", tmp_path / "models"
     data_dir.mkdir()
-    make_tiny(models_dir / "tiny")
+    copy_demo_model(models_dir)
     port = free_port()
     engine = Running(["engine"], entrypoint_env(data_dir))
     try:
@@ -129,7 +128,7 @@ def test_engine_mode_waits_for_the_handoff_then_serves_it(tmp_path):
 
         # The console's docker driver writes the handoff, the same code path as a real start.
         settings = load_settings({"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_MODELS_DIR": str(models_dir)})
-        command = _tiny_demo_command(settings.models_dir, port)
+        command = _cpu_demo_command(settings.models_dir, port)
         DockerDriver(settings)._hand_over(command)
 
         ready = engine.wait_for(lambda line: line.startswith("engine ready:"), BOOT_TIMEOUT_S)

@@ -1,9 +1,8 @@
 """The route's tests: a console app on a real SQLite file (TestClient) for keys, pages and refusals; a real console
-process with real engine children on the tiny checkpoint for the route itself (test_route.py)."""
+process with real engine children on the shipped demo model for the route itself (test_route.py)."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from litestar.testing import TestClient
 from app.main import create_app
 from app.settings import load_settings
 from tests.console.conftest import ADMIN_TOKEN
-from tests.support import free_port, sign_in
+from tests.support import copy_demo_model, free_port, sign_in
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # Lines of a console process's log shown with a test that failed against it (CI keeps nothing else of the run).
@@ -41,7 +40,7 @@ def data_dir(tmp_path_factory) -> Path:
 def client(data_dir: Path) -> Iterator[TestClient]:
     """One console for the module (no engine: its profiles' weights are missing)."""
     settings = load_settings(
-        {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_MAKE_TINY": "0"}
+        {"FLASHGATE_DATA_DIR": str(data_dir), "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLASHGATE_INSTALL_DEMO": "0"}
     )
     with TestClient(create_app(settings)) as test_client:
         yield test_client
@@ -53,17 +52,17 @@ def sign_in_fixture(client: TestClient):
     return lambda name, token: sign_in(client, name, token)
 
 
-def console_settings(base: Path, tiny_models_dir: Path, **extra: str) -> dict[str, str]:
-    """A console process's settings: its own data folder and a models folder holding a copy of the tiny checkpoint
+def console_settings(base: Path, **extra: str) -> dict[str, str]:
+    """A console process's settings: its own data folder and a models folder holding a copy of the shipped demo model
     under `base`, free ports for it and its engine, the test admin token; `extra` settings on top."""
     models = base / "models"
-    shutil.copytree(tiny_models_dir / "tiny", models / "tiny")
+    copy_demo_model(models)
     return {
         "FLASHGATE_DATA_DIR": str(base / "data"),
         "FLASHGATE_MODELS_DIR": str(models),
         "FLASHGATE_PORT": str(free_port()),
         "FLASHGATE_ENGINE_PORT": str(free_port()),
         "FLASHGATE_ADMIN_TOKEN": ADMIN_TOKEN,
-        "FLASHGATE_MAKE_TINY": "0",
+        "FLASHGATE_INSTALL_DEMO": "0",
         "OMP_NUM_THREADS": "1",
     } | extra

@@ -1,5 +1,5 @@
 """Hostile requests through the console's `/v1` route with an agent key (issue 28): a real console process on a real
-SQLite file, its real engine child on the tiny checkpoint as production. The kinds of tests/api/test_hostile.py
+SQLite file, its real engine child on the shipped demo model as production. The kinds of tests/api/test_hostile.py
 (its tables, tests/api/hostile.py), in the values the route itself reads or writes again: numbers JSON allows only to
 Python (NaN, Infinity), huge integers, the wrong types, the budget fields it clamps; lone surrogates, huge strings;
 bodies that are not UTF-8, not JSON or nested 100k deep; tools whose parameters are not objects; stop strings past
@@ -57,12 +57,11 @@ ROUTE_STRINGS = ("huge", "surrogate", "number")
 
 
 @pytest.fixture(scope="module")
-def console(tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
-    """A console whose production is one tiny profile (1024 tokens of context, 16 output tokens), and a key."""
+def console(tmp_path_factory) -> Iterator[Console]:
+    """A console whose production is one small profile (1024 tokens of context, 16 output tokens), and a key."""
     base = tmp_path_factory.mktemp("hostile-route")
     settings = console_settings(
         base,
-        tiny_models_dir,
         FLASHGATE_BUILD="route-test",
         FLASHGATE_ROUTE_ALIAS=ALIAS,
         FLASHGATE_ROUTE_RETRY_AFTER_S="1",

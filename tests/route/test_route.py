@@ -1,5 +1,5 @@
 """The agent route end to end: a real console process (`python -m app`) on a real SQLite file, its real engine
-children on the tiny checkpoint, and the official `openai` client against the console's `/v1`. One story, in order:
+children on the shipped demo model, and the official `openai` client against the console's `/v1`. One story, in order:
 
 A (limit 16 output tokens) is promoted; through the route with a key, answers equal the engine's own (whole and
 streamed; chat, completions, Responses) under the alias; no key, a revoked key or an operator token get 401; budgets
@@ -117,11 +117,10 @@ def approve(data_dir: Path, profile: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def console(tmp_path_factory, tiny_models_dir) -> Iterator[Console]:
+def console(tmp_path_factory) -> Iterator[Console]:
     base = tmp_path_factory.mktemp("route-console")
     settings = console_settings(
         base,
-        tiny_models_dir,
         FLASHGATE_BUILD="route-test",
         FLASHGATE_ROUTE_ALIAS=ALIAS,
         FLASHGATE_ROUTE_RETRY_AFTER_S=RETRY_AFTER,

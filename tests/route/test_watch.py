@@ -1,6 +1,6 @@
-"""The production watch tells a busy engine from a hung one: a real console process, its real engine child on the tiny
-checkpoint, and agents' streams through the route that keep a queue far longer than the canary's timeout. A hang
-is an engine with work that runs no step; a long queue is not one, and production is left serving."""
+"""The production watch tells a busy engine from a hung one: a real console process, its real engine child on the
+shipped demo model, and agents' streams through the route that keep a queue far longer than the canary's timeout. A
+hang is an engine with work that runs no step; a long queue is not one, and production is left serving."""
 
 from __future__ import annotations
 
@@ -29,11 +29,10 @@ STREAM_TOKENS = 250
 
 
 @pytest.fixture(scope="module")
-def console(tmp_path_factory, tiny_models_dir) -> Iterator[tuple[httpx.Client, str, str]]:
+def console(tmp_path_factory) -> Iterator[tuple[httpx.Client, str, str]]:
     base = tmp_path_factory.mktemp("watch-console")
     settings = console_settings(
         base,
-        tiny_models_dir,
         FLASHGATE_ROUTE_ALIAS=ALIAS,
         FLASHGATE_ENGINE_GRACE_S="3",
         FLASHGATE_ENGINE_HEALTH_TIMEOUT_S="120",

@@ -146,7 +146,10 @@ def _seeded(name: str) -> ProfileSettings:
 
 
 # Each seeded profile's content hash as computed before profiles had `attention` and `gpus` (at 3a59676): evidence
-# recorded against these hashes must stay current.
+# recorded against these hashes must stay current. The content each was hashed with is the seed's today, but for
+# what changed since on purpose (and changes the hash, as changed weights must): cpu-demo served the random tiny
+# checkpoint then, the shipped demo model now.
+CHANGED_SINCE = {"cpu-demo": {"model": "tiny"}}
 HASHES_BEFORE_ATTENTION_AND_GPUS = {
     "cpu-demo": "804f0c499750c240a5b461c300a47295a04763583b4f1f9bf7ada8f31bd958c2",
     "maxseq1-1m": "3ddb43b9ecbd1b7b8ef07eab7e332adac48f0d125723742314576c952f987342",
@@ -159,15 +162,25 @@ HASHES_BEFORE_ATTENTION_AND_GPUS = {
 
 @pytest.mark.parametrize("name", HASHES_BEFORE_ATTENTION_AND_GPUS)
 def test_existing_profiles_keep_their_content_hash(name):
-    settings = _seeded(name)
+    settings = msgspec.structs.replace(_seeded(name), **CHANGED_SINCE.get(name, {}))
     assert (settings.attention, settings.gpus) == ("data-parallel", None)
     assert content_hash(settings) == HASHES_BEFORE_ATTENTION_AND_GPUS[name]
+
+
+def test_cpu_demo_serves_the_shipped_demo_model_and_so_hashes_anew():
+    seeded = _seeded("cpu-demo")
+    assert seeded.model == "demo"
+    assert content_hash(seeded) != HASHES_BEFORE_ATTENTION_AND_GPUS["cpu-demo"]
 
 
 def test_an_operators_child_keeps_its_content_hash():
     # A child as an operator made it before (another context, a revision, an extra), hashed at 3a59676.
     child = msgspec.structs.replace(
-        _seeded("cpu-demo"), context_length=2048, revision="abc123", engine_extras={"seed": 7}
+        _seeded("cpu-demo"),
+        **CHANGED_SINCE["cpu-demo"],
+        context_length=2048,
+        revision="abc123",
+        engine_extras={"seed": 7},
     )
     assert content_hash(child) == "39bf10415f74eeb1f34c861d26b089cd1eb7b3fbd47e2eea66b8416f109b5190"
     assert content_hash(msgspec.structs.replace(child, attention="tensor-parallel")) != content_hash(child)

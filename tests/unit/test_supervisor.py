@@ -251,8 +251,10 @@ def test_log_tail_and_retention(tmp_path):
 
 def test_settings_name_the_variable_and_the_limit():
     settings = load_settings({})
-    assert (settings.engine_grace_s, settings.log_retention, settings.make_tiny) == (30.0, 20, True)
-    assert load_settings({"FLASHGATE_MAKE_TINY": "0"}).make_tiny is False
+    assert (settings.engine_grace_s, settings.log_retention, settings.install_demo) == (30.0, 20, True)
+    assert load_settings({"FLASHGATE_INSTALL_DEMO": "0"}).install_demo is False
+    with pytest.raises(ValueError, match="FLASHGATE_MAKE_TINY is gone: .* set FLASHGATE_INSTALL_DEMO"):
+        load_settings({"FLASHGATE_MAKE_TINY": "0"})
     with pytest.raises(ValueError, match="FLASHGATE_ENGINE_GRACE_S must be a positive number, got 'soon'"):
         load_settings({"FLASHGATE_ENGINE_GRACE_S": "soon"})
     with pytest.raises(ValueError, match="FLASHGATE_LOG_RETENTION must be a positive whole number, got '0'"):

@@ -3,7 +3,8 @@ measurements, run in order against any OpenAI-compatible endpoint.
 
 A gate's version changes whenever its inputs or its rule change, so results stay comparable only where they
 should. Structural gates ask whether the engine serves, survives and how fast; capability gates ask whether the
-model answers an agent correctly (a random tiny model fails those, honestly, with the evidence).
+model answers an agent correctly (a model that cannot, such as a random checkpoint or a demo model short of them,
+fails those, honestly, with the evidence).
 
 One module per kind of gate; this one puts them in the ladder's order."""
 
