@@ -60,7 +60,7 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
     torch.backends.cuda.matmul.allow_tf32 = True  # as train_demo trains
     tokenizer = demo_data.default_tokenizer()
     config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
-    items = examples(demo_data.generate("train", demo_data.mix_counts(samples), config, tokenizer), tokenizer)
+    items = examples(demo_data.generate("train", demo_data.mix_counts(samples), config, tokenizer))
     model = initial_model(recipe, device)
     optimizer = optimizer_for(model, recipe)
     rows_of = batches(items, recipe.tokens_per_step, recipe.row_tokens, recipe.seed)

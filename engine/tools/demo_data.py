@@ -39,7 +39,7 @@ import statistics
 import string
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -628,7 +628,8 @@ REASONING = {
 @dataclass
 class Sample:
     """One conversation: the chat request (`messages`, `tools`, `reasoning_effort`), the assistant message it must
-    produce (`answer`), both rendered (`prompt`, `completion`), and what `score` checks (`check`)."""
+    produce (`answer`), both rendered (`prompt`, `completion`) and tokenized (`token_ids`: the prompt's, then the
+    completion's), and what `score` checks (`check`)."""
 
     id: str
     split: str
@@ -644,6 +645,8 @@ class Sample:
     prompt_tokens: int
     completion_tokens: int
     check: dict[str, Any] = field(default_factory=dict)
+    # Tokenized once, where the sample is drawn (a generate worker): the held-out guard and training read these.
+    token_ids: list[int] = field(default_factory=list, repr=False)
 
     def request(self) -> dict[str, Any]:
         """The chat-completions body that makes the server render `prompt`."""
@@ -694,11 +697,6 @@ def render(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | 
     return encode_messages(
         declare(messages, tools or []), mode, reasoning_effort=REASONING_EFFORT if thinking else None
     )
-
-
-def threads() -> ThreadPoolExecutor:
-    """Tokenizing dominates (about a million tokens a second on one core) and releases the GIL: threads scale it."""
-    return ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1))
 
 
 def mix_counts(total: int, mix: Mapping[str, float] = DEFAULT_MIX) -> dict[str, int]:
@@ -766,8 +764,8 @@ def _sample(sample_id: str, task: str, rng: random.Random, bank: Bank, config: C
         if not full.startswith(prompt):
             raise AssertionError(f"{sample_id}: the conversation with its answer does not extend the prompt")
         completion = full[len(prompt) :]
-        prompt_tokens, completion_tokens = len(tokenizer.encode(prompt)), len(tokenizer.encode(completion))
-        if prompt_tokens + completion_tokens <= config.max_tokens:
+        prompt_ids, completion_ids = tokenizer.encode(prompt), tokenizer.encode(completion)
+        if len(prompt_ids) + len(completion_ids) <= config.max_tokens:
             break
     else:
         raise ValueError(f"{sample_id}: no {task} sample within max_tokens={config.max_tokens} in {MAX_REDRAWS} draws")
@@ -783,9 +781,10 @@ def _sample(sample_id: str, task: str, rng: random.Random, bank: Bank, config: C
         answer=answer,
         prompt=prompt,
         completion=completion,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=len(completion_ids),
         check=built.check,
+        token_ids=prompt_ids + completion_ids,
     )
 
 
@@ -1373,11 +1372,11 @@ def held_out_runs(texts: Iterable[str], tokenizer: Tokenizer, n: int = HELD_OUT_
     return runs
 
 
-def _leaks(samples: Sequence[Sample], runs: Mapping[tuple[int, ...], str], tokenizer: Tokenizer, n: int):
-    """(sample, the first run it shares with a held-out text) for each sample that shares one, in order."""
-    with threads() as pool:
-        encoded = pool.map(lambda sample: tokenizer.encode(sample.prompt + sample.completion), samples)
-    for sample, ids in zip(samples, encoded, strict=True):
+def _leaks(samples: Sequence[Sample], runs: Mapping[tuple[int, ...], str], n: int):
+    """(sample, the first run it shares with a held-out text) for each sample that shares one, in order: of the
+    tokens trained on, the sample's `token_ids`."""
+    for sample in samples:
+        ids = sample.token_ids
         windows = zip(*(ids[k:] for k in range(n)), strict=False)
         if runs.keys().isdisjoint(windows):  # a set operation in C: the common case stays fast
             continue
@@ -1388,7 +1387,7 @@ def check_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer: T
     """Raise HeldOutLeak for the first sample whose prompt and completion share an n-token run with a held-out text;
     return the number of runs checked against."""
     runs = held_out_runs(texts, tokenizer, n)
-    for sample, run in _leaks(list(samples), runs, tokenizer, n):
+    for sample, run in _leaks(list(samples), runs, n):
         raise HeldOutLeak(sample, tokenizer.decode(run, False), runs[run])
     return len(runs)
 
@@ -1400,7 +1399,7 @@ def without_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer:
     rather than stop."""
     samples = list(samples)
     runs = held_out_runs(texts, tokenizer, n)
-    leaking = {id(sample) for sample, _ in _leaks(samples, runs, tokenizer, n)}
+    leaking = {id(sample) for sample, _ in _leaks(samples, runs, n)}
     if leaking:
         log.info("held_out_samples_dropped", count=len(leaking), of=len(samples))
     return [sample for sample in samples if id(sample) not in leaking]
@@ -1412,7 +1411,8 @@ def without_held_out(samples: Iterable[Sample], texts: Iterable[str], tokenizer:
 def write_jsonl(path: Path, samples: Iterable[Sample]) -> None:
     with path.open("w", encoding="utf-8") as out:
         for sample in samples:
-            out.write(json.dumps(asdict(sample), ensure_ascii=False) + "\n")
+            record = {k: v for k, v in asdict(sample).items() if k != "token_ids"}  # the text says what they are
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def summary(samples: Sequence[Sample]) -> str:

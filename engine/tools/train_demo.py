@@ -180,13 +180,9 @@ def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
     return model
 
 
-def examples(samples: Sequence[demo_data.Sample], tokenizer: Tokenizer) -> list[Example]:
-    def one(s: demo_data.Sample) -> Example:
-        ids = torch.tensor(tokenizer.encode(s.prompt) + tokenizer.encode(s.completion))
-        return Example(ids, s.prompt_tokens, needle=s.check["kind"] if s.task == "retrieval" else None)
-
-    with demo_data.threads() as pool:
-        return list(pool.map(one, samples))
+def examples(samples: Sequence[demo_data.Sample]) -> list[Example]:
+    return [Example(torch.tensor(s.token_ids), s.prompt_tokens, s.check["kind"] if s.task == "retrieval" else None)
+            for s in samples]  # fmt: skip
 
 
 def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, seed: int) -> Iterator[list[Row]]:
@@ -521,7 +517,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Pat
     config = demo_data.Config(seed=recipe.data_seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("train", demo_data.mix_counts(recipe.train_samples), config, tokenizer)
     samples = demo_data.without_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
-    train_items = examples(samples, tokenizer)
+    train_items = examples(samples)
     # Made on the CPU, before any replica is forked: every replica starts from these same weights.
     model = initial_model(recipe, torch.device("cpu"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -45,7 +45,7 @@ SMALL = Recipe(train_samples=7, eval_per_task=1, max_tokens=2048, row_tokens=204
 @pytest.fixture(scope="module")
 def items():
     samples = demo_data.generate("train", demo_data.mix_counts(7), demo_data.Config(max_tokens=2048))
-    return examples(samples, demo_data.default_tokenizer())
+    return examples(samples)
 
 
 @pytest.fixture(autouse=True)

@@ -137,7 +137,7 @@ def test_prompts_are_what_the_server_renders_for_the_request(samples, tokenizer)
 def test_prompt_and_completion_tokenize_apart_as_together(samples, tokenizer):
     for sample in samples:
         ids = tokenizer.encode(sample.prompt + sample.completion)
-        assert ids == tokenizer.encode(sample.prompt) + tokenizer.encode(sample.completion)
+        assert ids == tokenizer.encode(sample.prompt) + tokenizer.encode(sample.completion) == sample.token_ids
         assert (sample.prompt_tokens, sample.completion_tokens) == (
             len(tokenizer.encode(sample.prompt)),
             len(tokenizer.encode(sample.completion)),
@@ -311,18 +311,25 @@ def test_the_held_out_guard_passes_against_qualification_md(train, tokenizer):
 @pytest.mark.parametrize("gate_text", [answers.SMOKE_PROMPT, tools.TOOL_RESULT_USER, base.NEEDLE_SENTENCE])
 def test_the_held_out_guard_refuses_a_sample_that_copies_a_gate_prompt(train, tokenizer, gate_text):
     sample = train[len(train) // 2]
-    planted = dataclasses.replace(sample, prompt=sample.prompt.replace("<｜User｜>", f"<｜User｜>Hi. {gate_text} ", 1))
+    planted = _with_prompt(sample, sample.prompt.replace("<｜User｜>", f"<｜User｜>Hi. {gate_text} ", 1), tokenizer)
     with pytest.raises(HeldOutLeak, match=f"^{planted.id} .* with the held-out text") as error:
         check_held_out([*train[:5], planted], GATE_TEXTS, tokenizer)
     assert error.value.sample_id == planted.id and error.value.text == gate_text
     assert error.value.run.strip() in gate_text and len(tokenizer.encode(error.value.run)) >= demo_data.HELD_OUT_RUN
 
 
+def _with_prompt(sample: Sample, prompt: str, tokenizer) -> Sample:
+    """The sample with another prompt, tokenized as generate tokenizes one."""
+    prompt_ids = tokenizer.encode(prompt)
+    return dataclasses.replace(sample, prompt=prompt, prompt_tokens=len(prompt_ids),
+                               token_ids=prompt_ids + tokenizer.encode(sample.completion))  # fmt: skip
+
+
 def test_training_leaves_out_the_samples_that_share_a_run_with_the_gates(train, tokenizer):
     """A made-up word can spell the start of a gate's text: training drops such a sample instead of stopping."""
     sample = train[len(train) // 2]
-    planted = dataclasses.replace(
-        sample, prompt=sample.prompt.replace("<｜User｜>", f"<｜User｜>{base.NEEDLE_SENTENCE} ", 1)
+    planted = _with_prompt(
+        sample, sample.prompt.replace("<｜User｜>", f"<｜User｜>{base.NEEDLE_SENTENCE} ", 1), tokenizer
     )
     kept = without_held_out([*train[:5], planted], GATE_TEXTS, tokenizer)
     assert kept == train[:5]
