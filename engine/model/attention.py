@@ -101,11 +101,12 @@ class Indexer(nn.Module):
                              self.head_dim**-0.5 * self.n_heads**-0.5, self.quant_sim)  # fmt: skip
 
     def select(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Top-k row ids per query [T, k] with -1 where fewer rows are visible; ties keep the lower row first. Scores
-        cover the rows the latest query sees, made a block of rows at a time: each block's [T, heads, rows]
-        products hold at most PREFILL_BUDGET elements (the caller keeps [T, rows] within it too)."""
+        """Top-k row ids per query [T, k] with -1 where fewer rows are visible; ties keep the lower row first. `keys`:
+        the index keys of the rows the latest query sees (their count known on the host, so that nothing here waits
+        for the device). Scores are made a block of rows at a time: each block's [T, heads, rows] products hold at
+        most PREFILL_BUDGET elements (the caller keeps [T, rows] within it too)."""
         visible = (positions + 1) // 4
-        n = int(visible.max())
+        n = len(keys)
         scores = torch.empty(len(q), n, dtype=torch.promote_types(torch.float32, w.dtype), device=q.device)
         block = max(1, PREFILL_BUDGET // (len(q) * self.n_heads))
         for a in range(0, n, block):
@@ -252,7 +253,7 @@ class Attention(nn.Module):
                                                  index_slots[n_old:], cache.index, kv.dtype)  # fmt: skip
         if kernels:
             return self._prefill_kernels(q, proj, positions, own_row, span, comp_slots, batch, i)
-        return self._prefill_reference(q, proj, positions, span, comp_slots, index_slots)
+        return self._prefill_reference(q, proj, positions, p0, span, comp_slots, index_slots)
 
     def _fp8_span(self, ring_rows: torch.Tensor, kv: torch.Tensor, slot: int, own_row: torch.Tensor) -> torch.Tensor:
         """The span in the ring's FP8 row format, `window` rows a page: the window rows before the chunk copied from
@@ -269,11 +270,12 @@ class Attention(nn.Module):
         write_main_rows(span, own_row, kv, window, ring.rope_dim)
         return span
 
-    def _prefill_reference(self, q, proj, positions, span, comp_slots, index_slots) -> torch.Tensor:
-        """The prefill attention in torch. Queries go in blocks sized so that no tensor of a block exceeds
-        PREFILL_BUDGET elements (index scores over the visible rows, gathered keys, attention scores); what is made
-        once per chunk is the size of the chunk's own kv or of the request's index keys / c128 rows, like what the
-        cache holds."""
+    def _prefill_reference(self, q, proj, positions, p0, span, comp_slots, index_slots) -> torch.Tensor:
+        """The prefill attention in torch, of queries at positions p0, p0 + 1, ... Queries go in blocks sized so that
+        no tensor of a block exceeds PREFILL_BUDGET elements (index scores over the visible rows, gathered keys,
+        attention scores); what is made once per chunk is the size of the chunk's own kv or of the request's index
+        keys / c128 rows, like what the cache holds. The compressed rows a block's last query sees are counted on the
+        host from p0: read from the device, each block of a training step waited for it."""
         cache, window, dim = self.kv, self.window, span.shape[-1]
         windows = span.unfold(0, window, 1).transpose(1, 2)  # query i's window rows, a view
         in_window = positions[:, None] - window + 1 + torch.arange(window, device=q.device)[None, :] >= 0
@@ -295,14 +297,16 @@ class Attention(nn.Module):
             # One block of all the queries takes each tensor whole (`...`, an alias to autograd): a slice's backward,
             # even of every row, fills a zero tensor of its input, here every query's gathered window.
             b = slice(a, a + step) if step < len(q) else ...
+            seen_rows = (p0 + min(a + step, len(q))) // max(1, self.ratio)  # by the block's last query
             parts = [(windows[b], in_window[b])]
             if sparse:
-                picked = self.indexer.select(proj["query"][0][b], proj["query"][1][b], positions[b], index_keys)
+                picked = self.indexer.select(proj["query"][0][b], proj["query"][1][b], positions[b],
+                                             index_keys[:seen_rows])  # fmt: skip
                 chosen = cache.comp.read(comp_slots[picked.clamp(min=0)].flatten()).to(span.dtype)
                 parts.append((chosen.unflatten(0, picked.shape), picked >= 0))
             elif self.compressor is not None:
-                rows = int(visible[b].max())
-                parts.append((compressed[:rows], torch.arange(rows, device=q.device)[None, :] < visible[b, None]))
+                parts.append((compressed[:seen_rows],
+                              torch.arange(seen_rows, device=q.device)[None, :] < visible[b, None]))  # fmt: skip
             out[b] = attend_parts_with_sink(q[b], parts, self.sink, self.scale)
         return out
 

@@ -239,10 +239,10 @@ def indexer_distillation(losses: list[torch.Tensor]) -> Iterator[None]:
     """While active, every c4 layer's prefill adds its indexer's KL to the main attention to `losses`."""
     original = Attention._prefill_reference
 
-    def prefill(self, q, proj, positions, span, comp_slots, index_slots):
+    def prefill(self, q, proj, positions, p0, span, comp_slots, index_slots):
         if self.indexer is not None:
             losses.append(indexer_kl(self, q, proj["query"], positions, comp_slots, index_slots))
-        return original(self, q, proj, positions, span, comp_slots, index_slots)
+        return original(self, q, proj, positions, p0, span, comp_slots, index_slots)
 
     Attention._prefill_reference = prefill
     try:
@@ -253,13 +253,11 @@ def indexer_distillation(losses: list[torch.Tensor]) -> Iterator[None]:
 
 def indexer_kl(attn: Attention, q, index_query, positions, comp_slots, index_slots) -> torch.Tensor:
     """KL(main attention's mean distribution over a query's visible c4 rows || the indexer's softmax over them),
-    averaged over the queries that see a row; the target is detached."""
+    averaged over the queries that see a row; the target is detached. Nothing in it waits for the device (a row's
+    first queries see none: their KL is zero and left out of the mean by count, not by a mask's selection)."""
     iq, iw = index_query
     visible = (positions + 1) // attn.ratio
     allowed = torch.arange(len(comp_slots), device=q.device)[None, :] < visible[:, None]
-    seeing = allowed.any(dim=-1)
-    if not seeing.any():
-        return q.new_zeros(())
     keys = attn.kv.index.read(index_slots).to(iq.dtype)
     rows = attn.kv.comp.read(comp_slots).to(q.dtype)
     scores = torch.einsum("thd,nd->thn", iq, keys).relu().mul(iw[..., None]).sum(dim=1)
@@ -267,8 +265,9 @@ def indexer_kl(attn: Attention, q, index_query, positions, comp_slots, index_slo
     with torch.no_grad():
         logits = torch.einsum("thd,nd->thn", q, rows) * attn.scale
         target = torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), dim=-1).mean(dim=1)
+    # (a query that sees no row has NaN in log_q, whose gradient masked_fill stops)
     kl = torch.where(allowed, target * (torch.log(target.clamp_min(1e-20)) - log_q), 0.0).sum(dim=-1)
-    return kl[seeing].mean()
+    return kl.sum() / (visible > 0).sum().clamp(min=1)
 
 
 def balanced_gates(model: DeepseekV4) -> list[Gate]:
@@ -309,13 +308,14 @@ def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device,
     batch = forward_batch(model, rows, device)
     items = [e for row in rows for e in row]
     kls: list[torch.Tensor] = []
+    # Row t predicts token t+1 (main head) and t+2 (MTP) of its own sample, inside the completion. Copied before the
+    # forward is queued: a copy from the host waits for the device's queue to empty.
+    next_ids = torch.cat([torch.cat([e.ids[1:], e.ids[-1:]]) for e in items]).to(device)
+    lm_target = torch.tensor([t for e in items for t in _target(e, 1)], device=device)
+    mtp_target = torch.tensor([t for e in items for t in _target(e, 2)], device=device)
+    prompt_target = torch.tensor([t for e in items for t in _prompt_target(e)], device=device)
     with indexer_distillation(kls):
         streams = model.run_layers(batch)
-        # Row t predicts token t+1 (main head) and t+2 (MTP) of its own sample, inside the completion.
-        next_ids = torch.cat([torch.cat([e.ids[1:], e.ids[-1:]]) for e in items]).to(device)
-        lm_target = torch.tensor([t for e in items for t in _target(e, 1)], device=device)
-        mtp_target = torch.tensor([t for e in items for t in _target(e, 2)], device=device)
-        prompt_target = torch.tensor([t for e in items for t in _prompt_target(e)], device=device)
         logits = model.logits(streams)
         lm = F.cross_entropy(logits, lm_target, ignore_index=-100, reduction="sum")
         prompt = F.cross_entropy(logits, prompt_target, ignore_index=-100, reduction="sum")
