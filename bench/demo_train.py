@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,7 +85,9 @@ def measure(recipe: Recipe, device: torch.device, steps: int, samples: int) -> d
         phases[phase] = {"s_per_step": round(seconds, 4), "tokens_per_step": round(tokens),
                          "rows_per_step": round(sum(len(rows) for rows in timed) / steps, 1),
                          "tok_s": round(tokens / seconds), **profiled(model, optimizer, next(rows_of), recipe, step,
-                                                                      device)}  # fmt: skip
+                                                                      device),
+                         "device_waits": device_waits(model, optimizer, next(rows_of), recipe, step,
+                                                      device)}  # fmt: skip
     return phases
 
 
@@ -183,6 +187,22 @@ def profiled(model, optimizer, rows, recipe: Recipe, step: int, device: torch.de
     }
 
 
+def device_waits(model, optimizer, rows, recipe: Recipe, step: int, device: torch.device) -> dict | None:
+    """One step's calls that wait for the GPU (CUDA's sync debug mode warns at each: a read to the host, a copy from
+    pageable memory): how many, and the most frequent places (file:line of the call). None on the CPU."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(model, optimizer, rows, recipe, step, device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    places = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return {"count": sum(places.values()), "places": dict(places.most_common(TOP_OPS))}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -196,13 +216,16 @@ def markdown(result: dict) -> str:
         "`python bench/demo_train.py`: train_demo's `train_step` on its packed rows "
         f"({result['recipe']['tokens_per_step']:,} tokens a step at most, rows of {result['recipe']['row_tokens']:,}).",
         "",
-        "| c4 attention | s/step | tokens/step | rows/step | tok/s | device busy | kernels/step | host ops/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| c4 attention | s/step | tokens/step | rows/step | tok/s | device busy | kernels/step | host ops/step "
+        "| waits for the GPU/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for phase, p in result["phases"].items():
         busy = "—" if p["device_busy_share"] is None else f"{p['device_busy_share']:.2f}"
+        waits = "—" if p["device_waits"] is None else p["device_waits"]["count"]
         lines.append(f"| {phase} | {p['s_per_step']} | {p['tokens_per_step']:,} | {p['rows_per_step']} | "
-                     f"{p['tok_s']:,} | {busy} | {p['kernels_launched'] or '—'} | {p['host_ops']:,} |")  # fmt: skip
+                     f"{p['tok_s']:,} | {busy} | {p['kernels_launched'] or '—'} | {p['host_ops']:,} "
+                     f"| {waits} |")  # fmt: skip
     lines += ["", f"Whole runs (`train`, sparse c4), {result['scaling_steps']} steps after {WARMUP_STEPS}:", "",
               f"| replicas | row tokens | MPS | tok/s | ÷ one replica, rows of {result['recipe']['row_tokens']:,} "
               "| peak GB |",
@@ -212,6 +235,9 @@ def markdown(result: dict) -> str:
     if result["mps_missing"]:
         lines += ["", f"MPS was asked for and not measured: {result['mps_missing']}."]
     for phase, p in result["phases"].items():
+        if p["device_waits"]:
+            lines += ["", f"**{phase}, where a step waits for the GPU** (calls a step):", ""]
+            lines += [f"- `{place}` × {count}" for place, count in p["device_waits"]["places"].items()]
         for kind in ("top_device_ops", "top_host_ops"):
             if p[kind]:
                 lines += ["", f"**{phase}, {kind.replace('_', ' ')}** (self time, ms, one step):", ""]
