@@ -145,15 +145,27 @@ def _quantize_block(x, TINY: tl.constexpr, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
-def _weight_scales(s_ptr, rows, kb, stride_s, mask, E8M0: tl.constexpr):
-    """The weight's block scales for `rows` (global weight rows) at K block kb, as fp32. ue8m0 byte b is 2**(b - 127):
-    byte 0 (2**-127) is below the normal range that pow2 builds from bits, hence its own constant."""
-    raw = tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask, other=127 if E8M0 else 1.0)
+def _scale_value(raw, E8M0: tl.constexpr):
+    """A weight block scale as stored -> fp32. ue8m0 byte b is 2**(b - 127): byte 0 (2**-127) is below the normal
+    range that pow2 builds from bits, hence its own constant."""
     if E8M0:
         e = raw.to(tl.int32)
         return tl.where(e == 0, 5.877471754111438e-39, pow2(e - 127))
     else:
         return raw
+
+
+@triton.jit
+def _weight_scales(s_ptr, rows, kb, stride_s, mask, E8M0: tl.constexpr):
+    """The weight's block scales for `rows` (global weight rows) at K block kb, as fp32."""
+    return _scale_value(tl.load(s_ptr + (rows // 128) * stride_s + kb, mask=mask, other=127 if E8M0 else 1.0), E8M0)
+
+
+@triton.jit
+def _tile_scale(s_ptr, first_row, kb, stride_s, E8M0: tl.constexpr):
+    """The one block scale of a tile whose rows lie in one 128-row scale block (UNIFORM_SCALE), at K block kb: a
+    scalar load, no per-row vector to lay out against the accumulator."""
+    return _scale_value(tl.load(s_ptr + (first_row // 128) * stride_s + kb), E8M0)
 
 
 @triton.jit
@@ -173,14 +185,17 @@ def _decode_kernel(
     stride_xm, stride_xg, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_ps,
     R: tl.constexpr, TILES: tl.constexpr, E8M0: tl.constexpr, QUANTIZED: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, TINY: tl.constexpr,
+    UNIFORM_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program (group g * TILES + tile, split): weight rows [tile * BLOCK_N, +BLOCK_N) of group g against all M
     tokens over K blocks [split * kb_per_split, +kb_per_split). Computed transposed (weight rows as the dot's M side)
     so the tile stays MMA-shaped for few tokens. The tokens' activations are quantized here, block by block, or with
     QUANTIZED x holds e4m3 codes and sa their scales (_quantize_kernel's). out [M, G * R]; with K split, each program
-    stores its fp32 partial in part [SPLITS, M, G * R] and the tile's last program adds them (split_k)."""
+    stores its fp32 partial in part [SPLITS, M, G * R] and the tile's last program adds them (split_k). With
+    UNIFORM_SCALE every tile's rows share one weight scale a K block (`_tile_scale`)."""
     g = tl.program_id(0) // TILES
-    n = (tl.program_id(0) % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = (tl.program_id(0) % TILES) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     rows = g * R + n
     m = tl.arange(0, BLOCK_M)
     c = tl.arange(0, 128)
@@ -201,7 +216,10 @@ def _decode_kernel(
             codes, act_scale = _quantize_block(xt, TINY, F32_DOT)
         w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & k_ok, other=0.0)
         partial = _dot_fp8(w, tl.trans(codes), F32_DOT)
-        acc += partial * act_scale[None, :] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[:, None]
+        if UNIFORM_SCALE:
+            acc += partial * act_scale[None, :] * _tile_scale(s_ptr, g * R + n0, kb, stride_s, E8M0)
+        else:
+            acc += partial * act_scale[None, :] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[:, None]
     offs = m[None, :] * stride_om + rows[:, None]
     live = live_n[:, None] & live_m[None, :]
     if SPLITS > 1:
@@ -235,11 +253,11 @@ def _prefill_kernel(
     a_ptr, sa_ptr, w_ptr, s_ptr, out_ptr, M, K,
     stride_am, stride_ag, stride_sam, stride_sag, stride_wn, stride_s, stride_om, stride_og,
     R: tl.constexpr, E8M0: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr, UNIFORM_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Program (output tile, group): quantized activations [BLOCK_M, 128] x weight [BLOCK_N, 128] per K block on the
-    FP8 tensor cores, promoted to the fp32 accumulator with both block scales. Tiles go column-major within bands of
-    GROUP_M row tiles, so a band's weight tiles stay in L2."""
+    FP8 tensor cores, promoted to the fp32 accumulator with both block scales (the weight's one scalar a K block with
+    UNIFORM_SCALE). Tiles go column-major within bands of GROUP_M row tiles, so a band's weight tiles stay in L2."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(R, BLOCK_N)
     band = pid // (GROUP_M * tiles_n)
@@ -263,7 +281,10 @@ def _prefill_kernel(
         w = tl.load(w_ptrs + kb * 128, mask=live_n[:, None] & k_ok, other=0.0)
         partial = _dot_fp8(a, tl.trans(w), F32_DOT)
         act_scale = tl.load(sa_ptrs + kb, mask=live_m, other=1.0)
-        acc += partial * act_scale[:, None] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[None, :]
+        if UNIFORM_SCALE:
+            acc += partial * act_scale[:, None] * _tile_scale(s_ptr, g * R + pid_n * BLOCK_N, kb, stride_s, E8M0)
+        else:
+            acc += partial * act_scale[:, None] * _weight_scales(s_ptr, rows, kb, stride_s, live_n, E8M0)[None, :]
     out = out_ptr + g * stride_og + m.to(tl.int64)[:, None] * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
 
@@ -299,6 +320,12 @@ def prefill_stages(device: torch.device) -> int:
     if device.type != "cuda":
         return 2
     return 4 if shared_memory_limit(device) >= 200 * 1024 else 2
+
+
+def _uniform_scale(rows: int, block_n: int) -> bool:
+    """Whether every tile of `block_n` weight rows lies in one 128-row scale block: tiles start at multiples of
+    block_n (groups of `rows` too, when rows is one), and a block_n dividing 128 then never crosses a block's edge."""
+    return 128 % block_n == 0 and rows % block_n == 0
 
 
 def _quantize(x, groups: int):
@@ -349,7 +376,7 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
             *a_strides, w.stride(0), s.stride(0), groups * rows, part.stride(0) if splits > 1 else 0,
             R=rows, TILES=tiles, E8M0=e8m0, QUANTIZED=quantized, SPLITS=splits,
             BLOCK_M=block_m, BLOCK_N=block_n,
-            F32_DOT=f32_dot, TINY=FP8_TINY, num_warps=num_warps or 4,
+            F32_DOT=f32_dot, TINY=FP8_TINY, UNIFORM_SCALE=_uniform_scale(rows, block_n), num_warps=num_warps or 4,
             num_stages=num_stages or decode_stages(device, m),
         )  # fmt: skip
         return out
@@ -360,7 +387,8 @@ def _launch(x, weight, scale, out, groups, rows, *, block_n=None, splits=None, n
         codes, act_scale, w, s, out, m, k,
         groups * k, k, groups * k_blocks, k_blocks, w.stride(0), s.stride(0), groups * rows, rows,
         R=rows, E8M0=e8m0, GROUP_M=8, BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=f32_dot,
-        num_warps=num_warps or 8, num_stages=num_stages or prefill_stages(device),
+        UNIFORM_SCALE=_uniform_scale(rows, block_n), num_warps=num_warps or 8,
+        num_stages=num_stages or prefill_stages(device),
     )  # fmt: skip
     return out
 

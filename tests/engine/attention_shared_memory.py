@@ -82,7 +82,7 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
             stride_s="i32", stride_om="i32", stride_ps="i32",
         ), dict(R=4096, TILES=4096 // block_n, E8M0=True, QUANTIZED=quantized, SPLITS=4,
                 BLOCK_M=max(16, m),
-                BLOCK_N=block_n, F32_DOT=False, TINY=fp8.FP8_TINY), 4,
+                BLOCK_N=block_n, F32_DOT=False, TINY=fp8.FP8_TINY, UNIFORM_SCALE=True), 4,
             on_target(arch, fp8.decode_stages, device, m))  # fmt: skip
     out["fp8 quantize"] = compile_shared(fp8._quantize_kernel, dict(
         x_ptr="*bf16", codes_ptr="*fp8e4nv", scale_ptr="*fp32", rows="i32", K="i32", stride_x="i32",
@@ -91,7 +91,7 @@ def quant_kernel_shared_bytes(arch: int) -> dict[str, int]:
         a_ptr="*fp8e4nv", sa_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*bf16", M="i32", K="i32",
         stride_am="i32", stride_ag="i32", stride_sam="i32", stride_sag="i32", stride_wn="i32", stride_s="i32",
         stride_om="i32", stride_og="i32",
-    ), dict(R=4096, E8M0=True, GROUP_M=8, BLOCK_M=128, BLOCK_N=128, F32_DOT=False), 8,
+    ), dict(R=4096, E8M0=True, GROUP_M=8, BLOCK_M=128, BLOCK_N=128, F32_DOT=False, UNIFORM_SCALE=True), 8,
         on_target(arch, fp8.prefill_stages, device))  # fmt: skip
     tiles = [on_target(arch, expert_tiles, tokens, tokens * 6, 256, device) for tokens in (16, 64, 8192)]
     tiles = [t for i, t in enumerate(tiles) if t not in tiles[:i]]  # decode's, and prefill's where they differ
