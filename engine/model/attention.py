@@ -100,6 +100,7 @@ class Indexer(nn.Module):
         return index_queries(q, self.n_heads, positions, self.rotary.inv_freq, weights,
                              self.head_dim**-0.5 * self.n_heads**-0.5, self.quant_sim)  # fmt: skip
 
+    @torch.no_grad()  # integer picks: training's gradient reaches the indexer through its distillation loss alone
     def select(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Top-k row ids per query [T, k] with -1 where fewer rows are visible; ties keep the lower row first. `keys`:
         the index keys of the rows the latest query sees (their count known on the host, so that nothing here waits
