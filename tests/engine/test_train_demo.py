@@ -9,10 +9,13 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
+from collections import Counter
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.model.attention import Attention
 from engine.tools import demo_data
@@ -67,6 +70,49 @@ def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_
     losses(model, batch, CPU)["lm"].backward()
     indexer = [p for n, p in model.named_parameters() if ".indexer." in n and p.requires_grad]
     assert indexer and all(p.grad is None or not p.grad.any() for p in indexer)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts, by the engine function that made them, the ops that read a tensor's values back to the host: on a GPU
+    each waits until every kernel queued before it has run, and the host queues nothing meanwhile."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "masked_select", "unique",
+             "bincount"}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.by_function: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        by_mask = name == "__getitem__" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        if name in self.READS or by_mask:
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}engine{os.sep}" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            self.by_function[frame.f_code.co_name if frame else "?"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_forward_reads_the_device_a_layer_at_most_not_a_row(items):
+    """A step of eight rows on the GPU waited some 64 times more than one of one row (each c4 layer's select and
+    distillation, each c128 block). What may grow with the rows: the targets, made from each sample's ids, which the
+    trainer holds on the host."""
+    model = initial_model(SMALL, CPU)
+    rows = [(e,) for e in items[:3]]
+
+    def reads(n: int) -> Counter[str]:
+        with HostReads() as mode:
+            losses(model, rows[:n], CPU)
+        return mode.by_function
+
+    one, three = reads(1), reads(3)
+    assert one  # the counter sees the MoE reference's read of its experts' loads
+    grows = {function for function, count in three.items() if count > one[function]}
+    assert grows <= {"_target", "_prompt_target"}, {f: (one[f], three[f]) for f in grows}
 
 
 def test_a_batch_trained_on_is_fitted_and_routing_biases_move_towards_balance(items):
