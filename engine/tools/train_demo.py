@@ -85,6 +85,9 @@ DEMO_CONFIG = TINY_CONFIG | {
 }
 MAX_CHECKPOINT_BYTES = 20_000_000
 LOSSES = ("lm", "prompt", "mtp", "indexer")
+# The data seed of `evaluate`'s training-split samples: a run's calls draw theirs with its seed plus their first step
+# (0 and up), so none trained on these.
+TRAIN_SPLIT_SEED = -1
 # How long a replica waits for the others at a step's sum before the run fails (a replica that died or hung).
 REPLICA_TIMEOUT_S = 600.0
 
@@ -653,13 +656,19 @@ def save(model: DeepseekV4, recipe: Recipe, out: Path) -> None:
         raise ValueError(f"the checkpoint is {size} bytes, over the {MAX_CHECKPOINT_BYTES} the project ships")
 
 
-def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str, float]:
-    """Greedy answers of the written checkpoint, served by the engine, to the held-out samples: accuracy per task.
-    Each answer, with its sample's template, the completion it should be and the verdict, is kept in
-    `eval_answers.jsonl` beside the checkpoint: the evidence a failing task is diagnosed from."""
+def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto", split: str = "eval",
+             per_task: int = 0) -> dict[str, float]:  # fmt: skip
+    """Greedy answers of the written checkpoint, served by the engine, to `per_task` samples a task (default: the
+    recipe's eval_per_task) of `split`: accuracy per task. "eval" is the held-out split; "train" draws fresh samples of
+    the training distribution (TRAIN_SPLIT_SEED: none the run trained on), which tells a task the model has not
+    learned from one it has learned but does not carry to held-out phrasings and names. Each answer, with its
+    sample's template, the completion it should be and the verdict, is kept in `{split}_answers.jsonl` beside the
+    checkpoint: the evidence a failing task is diagnosed from."""
     tokenizer = Tokenizer.from_model_dir(model_dir)
-    config = demo_data.Config(seed=recipe.seed, max_tokens=recipe.max_tokens)
-    samples = demo_data.generate("eval", dict.fromkeys(demo_data.TASKS, recipe.eval_per_task), config, tokenizer)
+    seed = recipe.seed if split == "eval" else TRAIN_SPLIT_SEED
+    config = demo_data.Config(seed=seed, max_tokens=recipe.max_tokens)
+    counts = dict.fromkeys(demo_data.TASKS, per_task or recipe.eval_per_task)
+    samples = demo_data.generate(split, counts, config, tokenizer)
     # Room for an answer's overrun past the reference's length, within the positions the model has.
     context = min(recipe.max_tokens + 256, recipe.config["max_position_embeddings"])
     with LLM(model_dir, device=device, context_length=context) as llm:
@@ -667,7 +676,7 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto") -> dict[str,
         params = [SamplingParams(temperature=0, max_tokens=s.completion_tokens + 32) for s in samples]
         outputs = llm.generate(prompts, params)
     correct: dict[str, list[bool]] = {}
-    with (model_dir / "eval_answers.jsonl").open("w", encoding="utf-8") as answers:
+    with (model_dir / f"{split}_answers.jsonl").open("w", encoding="utf-8") as answers:
         for sample, output in zip(samples, outputs, strict=True):
             text = tokenizer.decode(output.token_ids, skip_special_tokens=False)
             ok = demo_data.score(sample.task, sample, text)

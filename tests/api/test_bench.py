@@ -164,7 +164,8 @@ def test_runs_that_fail_under_mps_leave_the_runs_without_it(tmp_path, monkeypatc
 def test_the_demo_model_record_of_a_run_that_spans_calls(tmp_path):
     """bench/demo_model.py on a tiny run trained in two calls (the second resumed from the first's checkpoint): the
     steps of the whole run, each call's steps and schedule (what reproduces it), the accuracy evaluated here on the
-    CPU for a checkpoint brought back without one, and the loss chart."""
+    CPU for a checkpoint brought back without one, held out and on fresh training-split samples (kept in its
+    eval.json with their answers), and the loss chart."""
     import dataclasses
 
     from engine.tools import demo_data
@@ -177,14 +178,21 @@ def test_the_demo_model_record_of_a_run_that_spans_calls(tmp_path):
         train(recipe, tmp_path / "first", cpu, stop_after_s=1e-9)  # ends after its first step
         train(dataclasses.replace(recipe, init=str(tmp_path / "first"), first_step=1), tmp_path / "run", cpu)
     done = subprocess.run([sys.executable, "bench/demo_model.py", "--run", str(tmp_path / "run"), "--commit", "abc1234",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+                           "--train-split", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "demo-model.json").read_text())
     assert result["steps"] == 3 and result["commit"] == "abc1234" and set(result["accuracy"]) == set(demo_data.TASKS)
+    split = result["train_split"]
+    assert split["per_task"] == 1 and set(split["accuracy"]) == set(demo_data.TASKS)
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["train_split"] == split
+    answers = [json.loads(line) for line in (tmp_path / "run" / "train_answers.jsonl").read_text().splitlines()]
+    assert len(answers) == len(demo_data.TASKS) and all(a["id"].startswith("train-") for a in answers)
     assert [(c["first_step"], c["last_step"], c["recipe"]["first_step"]) for c in result["calls"]] == [
         (0, 0, 0),
         (1, 2, 1),
     ]
     md = (tmp_path / "demo-model.md").read_text()
     assert "3 steps of up to 2,500 tokens (rows of 2,048)" in md and "| 2 | 1–2 | 3 | 7 | 1 | 1 |" in md
+    assert "| task | accuracy | training split | issue 31's bar |" in md
     assert (tmp_path / "demo-model.svg").read_text().startswith("<")
