@@ -672,7 +672,7 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto", split: str =
     # Room for an answer's overrun past the reference's length, within the positions the model has.
     context = min(recipe.max_tokens + 256, recipe.config["max_position_embeddings"])
     with LLM(model_dir, device=device, context_length=context) as llm:
-        prompts = [tokenizer.encode(s.prompt) for s in samples]
+        prompts = [s.token_ids[: s.prompt_tokens] for s in samples]
         params = [SamplingParams(temperature=0, max_tokens=s.completion_tokens + 32) for s in samples]
         outputs = llm.generate(prompts, params)
     correct: dict[str, list[bool]] = {}
