@@ -2,7 +2,8 @@
 training run (issue 31; DIR as `python -m engine.tools.train_demo --out DIR` leaves it, with its checkpoint): the
 recipe, the data mix (each task's share of the samples and of the tokens), the loss curve, the training throughput,
 the held-out accuracy per task and, beside it, the accuracy on N fresh samples a task of the training distribution
-(default 30; 0: none), which tells a task not yet learned from one learned but not carried to held-out prompts. The
+(default 30; 0: none), which tells a task not yet learned from one learned but not carried to held-out prompts, and
+retrieval's verdicts split at the sliding window (the needle within it, or beyond, where only c4/c128 rows reach). The
 accuracies are DIR/eval.json's, or, where it has none (the checkpoint was brought back from the GPU machine without
 an evaluation), train_demo.evaluate's on this machine, written there. Results go to bench/results/demo-model.json, .md
 and .svg (the loss curve), with the run's GPU, commit and date.
@@ -45,6 +46,20 @@ def mix_shares(recipe: Recipe) -> dict[str, dict[str, float]]:
     }  # fmt: skip
 
 
+def retrieval_by_window(run: Path, window: int) -> dict[str, dict[str, list[int]]] | None:
+    """Retrieval's verdicts in each answers file of `run` split by where the needle lies: within the sliding window
+    of the prompt's end (every layer reads it) or beyond it (only the c4 and c128 rows do): [correct, prompts]."""
+    split: dict[str, dict[str, list[int]]] = {}
+    for name, path in (("held_out", run / "eval_answers.jsonl"), ("train_split", run / "train_answers.jsonl")):
+        answers = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        placed = [a for a in answers if "needle_distance" in a]
+        if placed:
+            split[name] = {side: [sum(a["ok"] for a in group), len(group)] for side, group in (
+                ("inside", [a for a in placed if a["needle_distance"] <= window]),
+                ("beyond", [a for a in placed if a["needle_distance"] > window]))}  # fmt: skip
+    return split or None
+
+
 def record(run: Path, gpu: str | None, commit: str | None, train_split: int = 0) -> dict:
     log = json.loads((run / "train_log.json").read_text())
     recipe = Recipe(**log["recipe"])
@@ -73,6 +88,8 @@ def record(run: Path, gpu: str | None, commit: str | None, train_split: int = 0)
         "eval_per_task": recipe.eval_per_task,
         "train_split": scores.get("train_split") if train_split else None,
         "meets_target": {task: accuracy[task] >= TARGET for task in SCORED},
+        "window": recipe.config["sliding_window"],
+        "retrieval_by_window": retrieval_by_window(run, recipe.config["sliding_window"]),
         "curve": curve[::5] + ([curve[-1]] if (len(curve) - 1) % 5 else []),
     }
 
@@ -124,6 +141,13 @@ def markdown(result: dict) -> str:
         trained = f" {split['accuracy'][task]:.2f} |" if split else ""
         lines.append(f"| {task} | {accuracy:.2f} |{trained} {bar} | {mix['samples']:.3f} | {mix['tokens']:.3f} | "
                      f"{mix['mean_tokens']} |")  # fmt: skip
+    placed = result.get("retrieval_by_window")
+    if placed:
+        sides = "; ".join(f"{name.replace('_', ' ')}: " + ", ".join(
+            f"{side} {ok}/{n}" + (f" ({ok / n:.2f})" if n else "") for side, (ok, n) in by.items())
+            for name, by in placed.items())  # fmt: skip
+        lines += ["", f"Retrieval by where the needle lies, within the {result['window']}-token sliding window of the "
+                  f"prompt's end or beyond it (read only through the c4 and c128 rows): {sides}."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -1213,6 +1213,14 @@ def _retrieval(draw: _Draw) -> Built:
     )
 
 
+def needle_distance(sample: Sample, tokenizer: Tokenizer) -> int:
+    """The prompt tokens from a retrieval sample's needle sentence to the prompt's end. One within the sliding window
+    is read by every layer's window; one beyond it only through the c4 and c128 rows (and the indexer's top-k)."""
+    head = sample.prompt[: sample.prompt.index(sample.check["needle"])]
+    # The pre-tokenizer splits before a space: the filler's space before the needle is the needle's first token's.
+    return sample.prompt_tokens - len(tokenizer.encode(head.removesuffix(" ")))
+
+
 BUILDERS: dict[str, Callable[[_Draw], Built]] = {
     "arithmetic": _arithmetic,
     "python": _python,

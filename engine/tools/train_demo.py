@@ -683,6 +683,8 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto", split: str =
             correct.setdefault(sample.task, []).append(ok)
             record = {"id": sample.id, "task": sample.task, "template": sample.template, "ok": ok,
                       "expected": sample.completion, "answer": text}  # fmt: skip
+            if sample.task == "retrieval":
+                record["needle_distance"] = demo_data.needle_distance(sample, tokenizer)
             answers.write(json.dumps(record) + "\n")
     return {task: round(sum(ok) / len(ok), 4) for task, ok in correct.items()}
 

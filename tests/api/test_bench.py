@@ -195,4 +195,8 @@ def test_the_demo_model_record_of_a_run_that_spans_calls(tmp_path):
     md = (tmp_path / "demo-model.md").read_text()
     assert "3 steps of up to 2,500 tokens (rows of 2,048)" in md and "| 2 | 1–2 | 3 | 7 | 1 | 1 |" in md
     assert "| task | accuracy | training split | issue 31's bar |" in md
+    placed = result["retrieval_by_window"]  # the one retrieval prompt of each split, on one side of the window
+    assert result["window"] == TINY_CONFIG["sliding_window"]
+    assert {name: sum(n for _, n in by.values()) for name, by in placed.items()} == {"held_out": 1, "train_split": 1}
+    assert "Retrieval by where the needle lies, within the 16-token sliding window" in md
     assert (tmp_path / "demo-model.svg").read_text().startswith("<")

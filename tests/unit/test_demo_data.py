@@ -371,6 +371,22 @@ def test_retrieval_prompts_reach_the_length_with_the_code_at_its_depth(tokenizer
         assert sample.answer["content"] == sample.check["expected"] in sample.check["needle"]
 
 
+def test_the_needle_distance_counts_the_prompt_ids_from_the_needle_sentence_to_the_end(tokenizer):
+    """The tokens the sample itself holds: the ids before the distance are the head's own tokenization, the ones after
+    begin with the needle sentence (the space before it included), at every depth of both splits."""
+    samples = [*generate("train", {"retrieval": 12}, Config(seed=5), tokenizer),
+               *generate("eval", {"retrieval": 12}, Config(seed=5), tokenizer)]  # fmt: skip
+    distances = []
+    for sample in samples:
+        distance = demo_data.needle_distance(sample, tokenizer)
+        cut = sample.prompt_tokens - distance
+        head, tail = sample.token_ids[:cut], sample.token_ids[cut : sample.prompt_tokens]
+        assert tokenizer.decode(tail, skip_special_tokens=False).lstrip().startswith(sample.check["needle"])
+        assert sample.prompt.startswith(tokenizer.decode(head, skip_special_tokens=False))
+        distances.append(distance)
+    assert min(distances) <= 128 < max(distances)  # both sides of the demo model's window
+
+
 def test_config_refuses_a_context_a_tool_sample_cannot_fit():
     with pytest.raises(ValueError, match="max_tokens"):
         Config(max_tokens=512)
