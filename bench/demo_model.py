@@ -2,8 +2,9 @@
 training run (issue 31; DIR as `python -m engine.tools.train_demo --out DIR` leaves it, with its checkpoint): the
 recipe, the data mix (each task's share of the samples and of the tokens), the loss curve, the training throughput,
 the held-out accuracy per task and, beside it, the accuracy on N fresh samples a task of the training distribution
-(default 30; 0: none), which tells a task not yet learned from one learned but not carried to held-out prompts, and
-retrieval's verdicts split at the sliding window (the needle within it, or beyond, where only c4/c128 rows reach). The
+(default 30; 0: none), which tells a task not yet learned from one learned but not carried to held-out prompts,
+retrieval's verdicts split at the sliding window (the needle within it, or beyond, where only c4/c128 rows reach), and
+whether each c4 layer's indexer and attention find a needle beyond the window at all (`needle_lookup`). The
 accuracies are DIR/eval.json's, or, where it has none (the checkpoint was brought back from the GPU machine without
 an evaluation), train_demo.evaluate's on this machine, written there. Results go to bench/results/demo-model.json, .md
 and .svg (the loss curve), with the run's GPU, commit and date.
@@ -20,15 +21,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from bench.plots import draw  # noqa: E402
+from engine.model.attention import Attention  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
 from engine.tools import demo_data  # noqa: E402
-from engine.tools.train_demo import TRAIN_SPLIT_SEED, Recipe, evaluate  # noqa: E402
+from engine.tools.train_demo import (  # noqa: E402
+    TRAIN_SPLIT_SEED,
+    Example,
+    Recipe,
+    dense_warmup,
+    evaluate,
+    forward_batch,
+    initial_model,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The samples drawn (with the run's seed and mix) to measure each task's share of the tokens.
 MIX_SAMPLES = 6_000
 # Issue 31's bar, on the tasks it names.
 TARGET, SCORED = 0.90, ("arithmetic", "json", "tool_call", "retrieval")
+# Held-out retrieval prompts (the needle beyond the window) whose lookup through the c4 rows is measured.
+LOOKUP_PROMPTS = 24
 
 
 def mix_shares(recipe: Recipe) -> dict[str, dict[str, float]]:
@@ -58,6 +73,67 @@ def retrieval_by_window(run: Path, window: int) -> dict[str, dict[str, list[int]
                 ("inside", [a for a in placed if a["needle_distance"] <= window]),
                 ("beyond", [a for a in placed if a["needle_distance"] > window]))}  # fmt: skip
     return split or None
+
+
+def needle_lookup(run: Path, recipe: Recipe, prompts: int = LOOKUP_PROMPTS) -> dict[str, dict[str, float]]:
+    """Whether the long-context path finds the needle, apart from whether the answer comes out right: `prompts`
+    held-out retrieval prompts whose needle lies beyond the window, each run through the training forward with its
+    own completion (the served top-k, not the dense warm-up), at every query that predicts a token of the code. Per
+    c4 layer: how often the indexer's top-k holds a row of the needle sentence (`indexer_recall`), the share of the
+    main attention's weight over its c4 rows that those rows get, the mean over heads (`attention_mass`) and the
+    best head (`best_head_mass`), and what a uniform choice would give them (`uniform`: their count over the rows
+    the query sees)."""
+    tokenizer = Tokenizer.from_model_dir(run)
+    window = recipe.config["sliding_window"]
+    drawn = demo_data.generate("eval", {"retrieval": 4 * prompts}, demo_data.Config(seed=recipe.seed,
+                               max_tokens=recipe.max_tokens), tokenizer)  # fmt: skip
+    far = [s for s in drawn if demo_data.needle_distance(s, tokenizer) > window][:prompts]
+    model = initial_model(dataclasses.replace(recipe, init=str(run)), torch.device("cpu")).eval()
+    dense_warmup(model, False)
+    sums: dict[int, dict[str, float]] = {}
+    original = Attention._prefill_reference
+
+    def prefill(self, q, proj, positions, p0, span, comp_slots, index_slots):
+        if self.indexer is not None:  # one request in one chunk: a query's position is its row
+            iq, iw = proj["query"][0][queries], proj["query"][1][queries]
+            seen = (queries + 1) // self.ratio
+            keys = self.kv.index.read(index_slots).to(iq.dtype)[: int(seen.max())]
+            picked = self.indexer.select(iq, iw, queries, keys)
+            rows = self.kv.comp.read(comp_slots).to(q.dtype)[: len(keys)]
+            visible = torch.arange(len(keys))[None, :] < seen[:, None]
+            logits = torch.einsum("thd,nd->thn", q[queries], rows) * self.scale
+            weights = torch.softmax(logits.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+            mine = (needle[None, : len(keys)] & visible).float()
+            mass = (weights * mine[:, None, :]).sum(dim=-1)
+            totals = sums.setdefault(self.layer_id, dict.fromkeys(
+                ("indexer_recall", "attention_mass", "best_head_mass", "uniform", "queries"), 0.0))  # fmt: skip
+            hit = needle[picked.clamp(min=0)] & (picked >= 0)
+            totals["indexer_recall"] += hit.any(dim=-1).sum().item()
+            totals["attention_mass"] += mass.mean(dim=-1).sum().item()
+            totals["best_head_mass"] += mass.max(dim=-1).values.sum().item()
+            totals["uniform"] += (mine.sum(dim=-1) / seen).sum().item()
+            totals["queries"] += len(queries)
+        return original(self, q, proj, positions, p0, span, comp_slots, index_slots)
+
+    Attention._prefill_reference = prefill
+    try:
+        for sample in far:
+            start = sample.prompt_tokens - demo_data.needle_distance(sample, tokenizer)
+            end = start + len(tokenizer.encode(" " + sample.check["needle"]))
+            code = sample.completion.index(sample.check["expected"])
+            # The completion is tokenized on its own (Sample.token_ids); before the code it ends at </think>.
+            first = sample.prompt_tokens + (len(tokenizer.encode(sample.completion[:code])) if code else 0)
+            queries = torch.arange(first - 1, len(sample.token_ids) - 2)  # each predicts a code token
+            # A c4 row j pools tokens 4j-4 .. 4j+3 (the overlapping windows): the rows holding a needle token.
+            needle = torch.zeros(len(sample.token_ids) // 4 + 1, dtype=torch.bool)
+            needle[start // 4 : (end - 1) // 4 + 2] = True
+            row = (Example(torch.tensor(sample.token_ids), sample.prompt_tokens),)
+            with torch.no_grad():
+                model.run_layers(forward_batch(model, [row], torch.device("cpu")))
+    finally:
+        Attention._prefill_reference = original
+    return {str(layer): {k: round(v / t["queries"], 4) for k, v in t.items() if k != "queries"} | {"prompts": len(far)}
+            for layer, t in sorted(sums.items())}  # fmt: skip
 
 
 def record(run: Path, gpu: str | None, commit: str | None, train_split: int = 0) -> dict:
@@ -90,6 +166,7 @@ def record(run: Path, gpu: str | None, commit: str | None, train_split: int = 0)
         "meets_target": {task: accuracy[task] >= TARGET for task in SCORED},
         "window": recipe.config["sliding_window"],
         "retrieval_by_window": retrieval_by_window(run, recipe.config["sliding_window"]),
+        "needle_lookup": needle_lookup(run, recipe),
         "curve": curve[::5] + ([curve[-1]] if (len(curve) - 1) % 5 else []),
     }
 
@@ -148,6 +225,15 @@ def markdown(result: dict) -> str:
             for name, by in placed.items())  # fmt: skip
         lines += ["", f"Retrieval by where the needle lies, within the {result['window']}-token sliding window of the "
                   f"prompt's end or beyond it (read only through the c4 and c128 rows): {sides}."]  # fmt: skip
+    lookup = result.get("needle_lookup")
+    if lookup:
+        layers = "; ".join(f"layer {layer}: the indexer's top-k holds it at {v['indexer_recall']:.2f} of the queries, "
+                           f"the main attention gives it {v['attention_mass']:.3f} of its c4 weight (best head "
+                           f"{v['best_head_mass']:.3f}; a uniform choice {v['uniform']:.3f})"
+                           for layer, v in lookup.items())  # fmt: skip
+        prompts = next(iter(lookup.values()))["prompts"]
+        lines += ["", f"**The long-context path** ({prompts} held-out retrieval prompts, the needle beyond the window, "
+                  f"fed their own completion; at the queries that predict the code): {layers}."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

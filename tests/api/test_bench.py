@@ -199,4 +199,10 @@ def test_the_demo_model_record_of_a_run_that_spans_calls(tmp_path):
     assert result["window"] == TINY_CONFIG["sliding_window"]
     assert {name: sum(n for _, n in by.values()) for name, by in placed.items()} == {"held_out": 1, "train_split": 1}
     assert "Retrieval by where the needle lies, within the 16-token sliding window" in md
+    lookup = result["needle_lookup"]  # the tiny model's c4 layers
+    assert set(lookup) == {str(i) for i, ratio in enumerate(TINY_CONFIG["compress_ratios"]) if ratio == 4}
+    for figures in lookup.values():
+        assert figures["prompts"] > 0 and 0 < figures["uniform"] < 1
+        assert all(0 <= figures[k] <= 1 for k in ("indexer_recall", "attention_mass", "best_head_mass"))
+    assert "**The long-context path** (" in md
     assert (tmp_path / "demo-model.svg").read_text().startswith("<")
