@@ -435,7 +435,9 @@ def moe_expert_pairs_reference(x, weights, ids, w1, w3, w2, limit, touched=None,
     # ~17 launches each, most of a training step's MoE; the gathers are index_select and index_copy, whose backward
     # (training's) adds where advanced indexing's sorts. The price: E x C rows of activations, more than the loop's
     # when routing is skewed (this reference serves the CPU and training; CUDA serving runs the kernels).
-    counts = torch.bincount(flat, minlength=n_experts + 1)
+    # Not bincount: on CUDA it reads its input's maximum on the host (two waits for the device a call).
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))  # hash tables' ids may be int32
     host = counts.tolist()
     if touched is not None:
         touched += sum(1 for c in host[:n_experts] if c)
