@@ -184,7 +184,9 @@ def markdown(result: dict) -> str:
         f"**Training:** {result['steps']} steps of up to {r['tokens_per_step']:,} tokens (rows of "
         f"{r['row_tokens']:,}), {result['tokens'] / 1e6:.1f}M tokens, the last call at {result['train_tok_s']:,} "
         f"tok/s; seed {r['seed']}, AdamW lr {r['lr']} (warm-up {r['warmup_steps']}, cosine to {r['min_lr_ratio']}x), "
-        f"weights: prompt {r['prompt_weight']}, MTP {r['mtp_weight']}, indexer {r['indexer_weight']}.",
+        f"weights: prompt {r['prompt_weight']}, MTP {r['mtp_weight']}, indexer {r['indexer_weight']}"
+        + "".join(f", {task}'s completions {w}" for task, w in r.get("task_weights", {}).items())
+        + ".",
         "",
     ]
     if result["calls"]:

@@ -25,8 +25,11 @@ How it trains, and why:
 - Score-routed MoE layers balance their experts without an auxiliary loss, as V3/V4 do: after each step every
   expert's routing bias moves by `bias_update` towards the mean load (up when under-loaded).
 - `--replicas N`: N processes train side by side (`Replicas`), each on a share of every step's rows, their gradients
-  summed: the references launch one small kernel after another from the host, so one process leaves a GPU mostly
-  idle. A step is the same step whatever N (each loss a mean over the whole step's targets).
+  summed, for a device that one process's launches leave idle. A step is the same step whatever N (each loss a mean
+  over the whole step's targets). On an H100 one process keeps the GPU 0.8 busy and 2 or 4 replicas under MPS train
+  no faster (docs/demo-model.md).
+- `--task-weights retrieval=4,...`: a task's completion tokens count that many times in the lm and MTP losses (a
+  weighted mean): a task's share of the gradient apart from its share of the tokens.
 - AdamW with warm-up and cosine decay, gradient clipping; seeded data, initial weights and batch order. The loss
   curve (`train_log.json`), the recipe and the checkpoint (bf16, ≤ 20 MB) go to --out; evaluation
   (`evaluate`) serves the written checkpoint through the engine and scores each held-out task with demo_data.score.
@@ -119,6 +122,8 @@ class Recipe:
     mtp_weight: float = 0.3
     indexer_weight: float = 1.0
     bias_update: float = 1e-3
+    # A task's completion tokens count this many times in the lm and MTP losses (a task not named: once).
+    task_weights: dict = field(default_factory=dict)
     # A checkpoint to start from (an earlier run's --out) instead of the seeded random weights, and the step of the
     # schedule it goes on from: a run longer than one device call goes on from the last one's weights, its optimizer
     # state started afresh (warmed up again) and its samples drawn anew (seed + first_step), not repeated.
@@ -127,6 +132,9 @@ class Recipe:
     config: dict = field(default_factory=lambda: dict(DEMO_CONFIG))
 
     def __post_init__(self) -> None:
+        unknown = set(self.task_weights) - set(demo_data.TASKS)
+        if unknown or any(w <= 0 for w in self.task_weights.values()):
+            raise ValueError(f"task_weights: positive weights of {demo_data.TASKS}, not {self.task_weights}")
         if self.row_tokens < self.max_tokens:
             raise ValueError(f"row_tokens ({self.row_tokens}) must hold the longest sample, max_tokens "
                              f"({self.max_tokens})")  # fmt: skip
@@ -151,6 +159,7 @@ class Example:
     ids: torch.Tensor
     prompt_len: int
     needle: str | None = None
+    weight: float = 1.0  # of its completion's tokens in the lm and MTP losses (Recipe.task_weights)
 
 
 # Samples packed one after another into one sequence (one request of the prefill batch).
@@ -183,9 +192,10 @@ def initial_model(recipe: Recipe, device: torch.device) -> DeepseekV4:
     return model
 
 
-def examples(samples: Sequence[demo_data.Sample]) -> list[Example]:
-    return [Example(torch.tensor(s.token_ids), s.prompt_tokens, s.check["kind"] if s.task == "retrieval" else None)
-            for s in samples]  # fmt: skip
+def examples(samples: Sequence[demo_data.Sample], task_weights: dict[str, float] | None = None) -> list[Example]:
+    weights = task_weights or {}
+    return [Example(torch.tensor(s.token_ids), s.prompt_tokens, s.check["kind"] if s.task == "retrieval" else None,
+                    weights.get(s.task, 1.0)) for s in samples]  # fmt: skip
 
 
 def batches(items: Sequence[Example], tokens_per_step: int, row_tokens: int, seed: int) -> Iterator[list[Row]]:
@@ -285,7 +295,11 @@ def routing_loads(model: DeepseekV4) -> Iterator[dict[Gate, torch.Tensor]]:
 
     def record(gate: Gate, args, output) -> None:
         ids = output[1].detach().flatten()
-        loads[gate] = loads.get(gate, 0) + torch.bincount(ids, minlength=gate.weight.shape[0]).float()
+        # Not bincount, which on CUDA waits for the device to read the ids' maximum.
+        load = torch.zeros(gate.weight.shape[0], device=ids.device).scatter_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.float32)
+        )
+        loads[gate] = loads.get(gate, 0) + load
 
     hooks = [gate.register_forward_hook(record) for gate in balanced_gates(model)]
     try:
@@ -316,14 +330,15 @@ def losses(model: DeepseekV4, rows: Sequence[Row], device: torch.device,
     next_ids = torch.cat([torch.cat([e.ids[1:], e.ids[-1:]]) for e in items]).to(device)
     lm_target = torch.tensor([t for e in items for t in _target(e, 1)], device=device)
     mtp_target = torch.tensor([t for e in items for t in _target(e, 2)], device=device)
+    weight = torch.tensor([e.weight for e in items for _ in range(len(e.ids))], device=device)
     prompt_target = torch.tensor([t for e in items for t in _prompt_target(e)], device=device)
     with indexer_distillation(kls):
         streams = model.run_layers(batch)
         logits = model.logits(streams)
-        lm = F.cross_entropy(logits, lm_target, ignore_index=-100, reduction="sum")
+        lm = (F.cross_entropy(logits, lm_target, ignore_index=-100, reduction="none") * weight).sum()
         prompt = F.cross_entropy(logits, prompt_target, ignore_index=-100, reduction="sum")
-        mtp = F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100,
-                              reduction="sum")  # fmt: skip
+        mtp = (F.cross_entropy(model.mtp_logits(streams, next_ids, batch), mtp_target, ignore_index=-100,
+                               reduction="none") * weight).sum()  # fmt: skip
     indexer = torch.stack(kls).sum() if kls else streams.new_zeros(())
     sums = dict(zip(LOSSES, (lm, prompt, mtp, indexer), strict=True))
     return {name: total / max(1, counts[name]) for name, total in sums.items()}
@@ -334,11 +349,12 @@ def indexed_layers(model: DeepseekV4) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Attention) and m.indexer is not None)
 
 
-def target_counts(rows: Sequence[Row], indexed: int) -> dict[str, int]:
-    """How many targets each loss has in `rows` (the -100s of `_target` and `_prompt_target` left out), and the
-    indexer's distillation losses: one a row and indexed layer."""
+def target_counts(rows: Sequence[Row], indexed: int) -> dict[str, float]:
+    """How many targets each loss has in `rows` (the -100s of `_target` and `_prompt_target` left out; the lm and MTP
+    ones counted at their examples' weights), and the indexer's distillation losses: one a row and indexed layer."""
     items = [e for row in rows for e in row]
-    return {"lm": sum(_completion_span(e, 1)[1] for e in items), "mtp": sum(_completion_span(e, 2)[1] for e in items),
+    return {"lm": sum(e.weight * _completion_span(e, 1)[1] for e in items),
+            "mtp": sum(e.weight * _completion_span(e, 2)[1] for e in items),
             "prompt": sum(max(0, min(e.prompt_len, len(e.ids)) - 1) for e in items),
             "indexer": indexed * len(rows)}  # fmt: skip
 
@@ -520,7 +536,7 @@ def _train(recipe: Recipe, out: Path, device: torch.device | None, held_out: Pat
     config = demo_data.Config(seed=recipe.data_seed, max_tokens=recipe.max_tokens)
     samples = demo_data.generate("train", demo_data.mix_counts(recipe.train_samples), config, tokenizer)
     samples = demo_data.without_held_out(samples, demo_data.held_out_texts(held_out), tokenizer)
-    train_items = examples(samples)
+    train_items = examples(samples, recipe.task_weights)
     # Made on the CPU, before any replica is forked: every replica starts from these same weights.
     model = initial_model(recipe, torch.device("cpu"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -689,6 +705,16 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto", split: str =
     return {task: round(sum(ok) / len(ok), 4) for task, ok in correct.items()}
 
 
+def _task_weights(text: str) -> dict[str, float]:
+    try:
+        weights = {task.strip(): float(w) for task, w in (pair.split("=") for pair in text.split(",") if pair)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"TASK=WEIGHT pairs joined by commas, not {text!r}") from None
+    if set(weights) - set(demo_data.TASKS) or any(w <= 0 for w in weights.values()):
+        raise argparse.ArgumentTypeError(f"positive weights of {', '.join(demo_data.TASKS)}, not {text!r}")
+    return weights
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the checkpoint and train_log.json")
@@ -702,8 +728,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--stop-after-s", type=float, default=0.0, help="end after this many seconds of training")
     parser.add_argument("--no-eval", action="store_true", help="write the checkpoint without evaluating it")
     for f in dataclasses.fields(Recipe):
-        if f.name != "config":
+        if f.name not in ("config", "task_weights"):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--task-weights", type=_task_weights, default={}, metavar="TASK=W,...",
+                        help="a task's completion tokens count W times in the lm and MTP losses")  # fmt: skip
     args = parser.parse_args(argv)
     configure_logging()
     recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe) if f.name != "config"})

@@ -5,6 +5,7 @@ the schedule, and what it writes is a checkpoint the engine serves and evaluatio
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -26,6 +27,8 @@ from engine.tools.train_demo import (
     Example,
     Recipe,
     Replicas,
+    _completion_span,
+    _task_weights,
     balance_routing,
     batches,
     differentiable_kernels,
@@ -70,6 +73,30 @@ def test_every_trainable_tensor_gets_a_gradient_and_the_indexer_learns_from_the_
     losses(model, batch, CPU)["lm"].backward()
     indexer = [p for n, p in model.named_parameters() if ".indexer." in n and p.requires_grad]
     assert indexer and all(p.grad is None or not p.grad.any() for p in indexer)
+
+
+def test_a_task_weight_counts_its_completion_tokens_that_many_times(items):
+    """Retrieval weighted 3: the lm and MTP losses of two rows are their own losses' mean weighted by completion
+    tokens, a retrieval token counted thrice; the prompt loss is not weighted. A weight names a task and is positive."""
+    model = initial_model(SMALL, CPU)
+    retrieval = next(e for e in items if e.needle is not None)
+    other = next(e for e in items if e.needle is None)
+    with torch.no_grad():
+        alone = [losses(model, [(e,)], CPU) for e in (retrieval, other)]
+        both = losses(model, [(dataclasses.replace(retrieval, weight=3.0),), (other,)], CPU)
+    for name, ahead in (("lm", 1), ("mtp", 2)):
+        counts = [_completion_span(e, ahead)[1] for e in (retrieval, other)]
+        expected = (3 * counts[0] * alone[0][name] + counts[1] * alone[1][name]) / (3 * counts[0] + counts[1])
+        assert both[name].item() == pytest.approx(expected.item(), rel=1e-4)
+    counts = [e.prompt_len - 1 for e in (retrieval, other)]
+    expected = (counts[0] * alone[0]["prompt"] + counts[1] * alone[1]["prompt"]) / sum(counts)
+    assert both["prompt"].item() == pytest.approx(expected.item(), rel=1e-4)
+    assert _task_weights("retrieval=4,json=1.5") == {"retrieval": 4.0, "json": 1.5}
+    for wrong in ("retreival=4", "json=0", "json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _task_weights(wrong)
+    with pytest.raises(ValueError, match="task_weights"):
+        Recipe(task_weights={"json": -1.0})
 
 
 class HostReads(TorchFunctionMode):
