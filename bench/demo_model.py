@@ -31,6 +31,7 @@ from engine.tools.train_demo import (  # noqa: E402
     TRAIN_SPLIT_SEED,
     Example,
     Recipe,
+    c4_attention,
     dense_warmup,
     evaluate,
     forward_batch,
@@ -87,7 +88,8 @@ def needle_lookup(run: Path, recipe: Recipe, prompts: int = LOOKUP_PROMPTS) -> d
     window = recipe.config["sliding_window"]
     drawn = demo_data.generate("eval", {"retrieval": 4 * prompts}, demo_data.Config(seed=recipe.seed,
                                max_tokens=recipe.max_tokens), tokenizer)  # fmt: skip
-    far = [s for s in drawn if demo_data.needle_distance(s, tokenizer) > window][:prompts]
+    placed = [(s, demo_data.needle_distance(s, tokenizer)) for s in drawn]
+    far = [(s, distance) for s, distance in placed if distance > window][:prompts]
     model = initial_model(dataclasses.replace(recipe, init=str(run)), torch.device("cpu")).eval()
     dense_warmup(model, False)
     sums: dict[int, dict[str, float]] = {}
@@ -101,8 +103,7 @@ def needle_lookup(run: Path, recipe: Recipe, prompts: int = LOOKUP_PROMPTS) -> d
             picked = self.indexer.select(iq, iw, queries, keys)
             rows = self.kv.comp.read(comp_slots).to(q.dtype)[: len(keys)]
             visible = torch.arange(len(keys))[None, :] < seen[:, None]
-            logits = torch.einsum("thd,nd->thn", q[queries], rows) * self.scale
-            weights = torch.softmax(logits.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+            weights = c4_attention(self, q[queries], rows, visible)
             mine = (needle[None, : len(keys)] & visible).float()
             mass = (weights * mine[:, None, :]).sum(dim=-1)
             totals = sums.setdefault(self.layer_id, dict.fromkeys(
@@ -117,8 +118,8 @@ def needle_lookup(run: Path, recipe: Recipe, prompts: int = LOOKUP_PROMPTS) -> d
 
     Attention._prefill_reference = prefill
     try:
-        for sample in far:
-            start = sample.prompt_tokens - demo_data.needle_distance(sample, tokenizer)
+        for sample, distance in far:
+            start = sample.prompt_tokens - distance
             end = start + len(tokenizer.encode(" " + sample.check["needle"]))
             code = sample.completion.index(sample.check["expected"])
             # The completion is tokenized on its own (Sample.token_ids); before the code it ends at </think>.

@@ -276,11 +276,16 @@ def indexer_kl(attn: Attention, q, index_query, positions, comp_slots, index_slo
     scores = torch.einsum("thd,nd->thn", iq, keys).relu().mul(iw[..., None]).sum(dim=1)
     log_q = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     with torch.no_grad():
-        logits = torch.einsum("thd,nd->thn", q, rows) * attn.scale
-        target = torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), dim=-1).mean(dim=1)
+        target = c4_attention(attn, q, rows, allowed).mean(dim=1)
     # (a query that sees no row has NaN in log_q, whose gradient masked_fill stops)
     kl = torch.where(allowed, target * (torch.log(target.clamp_min(1e-20)) - log_q), 0.0).sum(dim=-1)
     return kl.sum() / (visible > 0).sum().clamp(min=1)
+
+
+def c4_attention(attn: Attention, q: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The main attention's distribution over each query's visible c4 rows alone, per head: [T, heads, rows]."""
+    logits = torch.einsum("thd,nd->thn", q, rows) * attn.scale
+    return torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), dim=-1)
 
 
 def balanced_gates(model: DeepseekV4) -> list[Gate]:
@@ -708,10 +713,9 @@ def evaluate(model_dir: Path, recipe: Recipe, device: str = "auto", split: str =
 def _task_weights(text: str) -> dict[str, float]:
     try:
         weights = {task.strip(): float(w) for task, w in (pair.split("=") for pair in text.split(",") if pair)}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"TASK=WEIGHT pairs joined by commas, not {text!r}") from None
-    if set(weights) - set(demo_data.TASKS) or any(w <= 0 for w in weights.values()):
-        raise argparse.ArgumentTypeError(f"positive weights of {', '.join(demo_data.TASKS)}, not {text!r}")
+        Recipe(task_weights=weights)  # its check of the tasks and weights
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"TASK=WEIGHT pairs joined by commas ({error})") from None
     return weights
 
 
